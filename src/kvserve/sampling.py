@@ -1,0 +1,121 @@
+"""SamplingParams (validated) and sampling: greedy, temperature, top-k, top-p, min-p, seed.
+
+Filters apply in vLLM's order: temperature, then top-k, then top-p, then min-p. Greedy
+(temperature 0) is argmax and ignores the filters. A seed makes a request's draws
+reproducible: each request owns a ``torch.Generator`` seeded once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults follow vLLM."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k filter
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # return the top-K logprobs of every generated token
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_float("temperature", self.temperature, 0.0, None)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, -1, None)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, 2**63 - 1)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[]", t, 0, None)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, 20)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        upper = "inf" if high is None else str(high)
+        raise ValueError(f"{name} must be in [{low}, {upper}], got {value}")
+
+
+def _check_float(
+    name: str, value: object, low: float, high: float | None, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    bad_low = value <= low if low_open else value < low
+    if not math.isfinite(value) or bad_low or (high is not None and value > high):
+        left = "(" if low_open else "["
+        upper = "inf)" if high is None else f"{high}]"
+        raise ValueError(f"{name} must be in {left}{low}, {upper}, got {value}")
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities (vocab,) after temperature, top-k, top-p and min-p; zero outside support."""
+    x = logits.float() / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+        # strictly before it already reaches top_p (the most likely token is always kept)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
+    """Next token id from next-token logits (vocab,)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = filtered_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> dict[int, float]:
+    """The k most likely tokens of the model's own distribution (before any filter)."""
+    if k == 0:
+        return {}
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logp, k)
+    return {int(i): float(v) for i, v in zip(ids, values, strict=True)}
