@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from kvserve.generation import generate
 from kvserve.models.loader import load_model
 from kvserve.reference import DenseCacheDecoder, NoCacheDecoder
-from kvserve.generation import generate
 from kvserve.sampling import SamplingParams
 
 
@@ -110,7 +110,11 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     max_len = args.prompt_len + args.new_tokens
 
-    rows: dict[str, list[tuple[float, float]]] = {"kvserve": [], "kvserve-no-cache": [], "hf-static": []}
+    rows: dict[str, list[tuple[float, float]]] = {
+        "kvserve": [],
+        "kvserve-no-cache": [],
+        "hf-static": [],
+    }
     for run in range(args.runs):  # alternate engines within each run
         r = generate(DenseCacheDecoder(model, max_len), prompt, params)
         rows["kvserve"].append((r.ttft_s, r.ttft_s + r.decode_s))
@@ -126,8 +130,10 @@ def main() -> None:
     avg_ctx = args.prompt_len + args.new_tokens / 2
     step_bytes = weight_bytes + kv_row_bytes * avg_ctx
 
-    print(f"decode-1: model={loaded.path.name} dtype={args.dtype} threads={args.threads} "
-          f"prompt={args.prompt_len} new={args.new_tokens} runs={args.runs} torch={torch.__version__}")
+    print(
+        f"decode-1: model={loaded.path.name} dtype={args.dtype} threads={args.threads} "
+        f"prompt={args.prompt_len} new={args.new_tokens} runs={args.runs} torch={torch.__version__}"
+    )
     print(f"{'engine':<18}{'tok/s':>8}{'TTFT ms':>9}{'TPOT ms':>9}{'GB/s':>7}{'of BW':>7}")
     results = {}
     for name, vals in rows.items():
@@ -139,9 +145,13 @@ def main() -> None:
         tps = args.new_tokens / total
         results[name] = tps
         gbs = step_bytes / tpot / 1e9
-        print(f"{name:<18}{tps:>8.1f}{ttft * 1e3:>9.1f}{tpot * 1e3:>9.2f}{gbs:>7.1f}{gbs / bw:>7.0%}")
-    print(f"memory bandwidth (sum of 1 GiB float32, {args.threads} threads): {bw:.1f} GB/s; "
-          f"decode step reads ~{step_bytes / 1e6:.0f} MB (weights + mean live KV)")
+        print(
+            f"{name:<18}{tps:>8.1f}{ttft * 1e3:>9.1f}{tpot * 1e3:>9.2f}{gbs:>7.1f}{gbs / bw:>7.0%}"
+        )
+    print(
+        f"memory bandwidth (sum of 1 GiB float32, {args.threads} threads): {bw:.1f} GB/s; "
+        f"decode step reads ~{step_bytes / 1e6:.0f} MB (weights + mean live KV)"
+    )
     base = results["hf-static"]
     for name, tps in results.items():
         if name != "hf-static":

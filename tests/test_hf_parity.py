@@ -34,15 +34,6 @@ LLAMA3_ROPE = {
 }
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
 
-# Llama (and Qwen3) with attention_bias=True: transformers puts a bias on o_proj too; kvserve's
-# o_proj has none, so loading rejects model.layers.0.self_attn.o_proj.bias. Remove the mark
-# once LlamaAttention gives o_proj a bias for those checkpoints.
-_O_PROJ_BIAS_BUG = pytest.mark.xfail(
-    raises=ValueError,
-    strict=True,
-    reason="kvserve o_proj has no bias; HF Llama/Qwen3 attention_bias=True adds o_proj.bias",
-)
-
 PARITY_CASES = [
     pytest.param("llama", {}, id="llama-mha"),
     pytest.param("llama", {"num_key_value_heads": 2}, id="llama-gqa"),
@@ -62,7 +53,6 @@ PARITY_CASES = [
         "llama",
         {"attention_bias": True, "num_key_value_heads": 2},
         id="llama-attention-bias",
-        marks=_O_PROJ_BIAS_BUG,
     ),
     pytest.param("mistral", {"num_key_value_heads": 2, "sliding_window": 4096}, id="mistral"),
     pytest.param("qwen2", {"num_key_value_heads": 2}, id="qwen2"),
@@ -72,7 +62,6 @@ PARITY_CASES = [
         "qwen3",
         {"num_key_value_heads": 2, "head_dim": 32, "attention_bias": True},
         id="qwen3-attention-bias",
-        marks=_O_PROJ_BIAS_BUG,
     ),
 ]
 

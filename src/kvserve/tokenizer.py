@@ -27,10 +27,12 @@ class Tokenizer:
 
         try:
             if gguf_file is not None:
-                tok = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+                tok = _gguf_bpe_tokenizer(gguf_file) or AutoTokenizer.from_pretrained(
+                    gguf_file.parent, gguf_file=gguf_file.name
+                )
             else:
                 tok = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"could not load a tokenizer from {gguf_file or path}: {e}") from e
         return cls(tok)
 
@@ -62,6 +64,29 @@ class Tokenizer:
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return self.encode(text, add_special_tokens=False)
+
+
+def _gguf_bpe_tokenizer(gguf_file: Path) -> Any | None:
+    """A byte-level BPE (``tokenizer.ggml.model = gpt2``) tokenizer straight from the GGUF file.
+
+    AutoTokenizer also parses the whole file to build a model config (6-12 s for the default
+    model); transformers' GGUF tokenizer converter alone takes about 1 s. Other tokenizer kinds
+    (sentencepiece, with their BOS rules) go through AutoTokenizer. Returns None when this fast
+    path does not apply; ``test_tokenizer`` holds it equal to AutoTokenizer on the default model.
+    """
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+    except ImportError:  # another transformers version: the slow, public path still works
+        return None
+    arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(gguf_file))
+    if tokenizer_dict.get("tokenizer_type") != "gpt2":
+        return None
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 class IncrementalDetokenizer:

@@ -59,6 +59,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always, Llama optional)
+    o_proj_bias: bool = False  # bias on o_proj too (HF Llama / Qwen3 attention_bias=True)
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
     sliding_window: int | None = None  # Mistral v0.1; we cap the context at it to stay exact
     bos_token_id: int | None = None
@@ -127,6 +128,11 @@ class ModelConfig:
             sliding = cfg.get("sliding_window")
         elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported (no supported checkpoint uses it)")
+        # HF: Qwen2 always has q/k/v bias and no o_proj bias; Llama and Qwen3 put a bias on
+        # q/k/v/o when attention_bias is set; Mistral never has one.
+        flag = model_type in ("llama", "qwen3", "smollm") and bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -143,7 +149,8 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            attention_bias=model_type == "qwen2" or flag,
+            o_proj_bias=flag,
             qk_norm=model_type == "qwen3",
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
@@ -200,6 +207,7 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length", 2048)),
             tie_word_embeddings="output.weight" not in tensor_names,
             attention_bias="blk.0.attn_q.bias" in tensor_names,
+            o_proj_bias="blk.0.attn_output.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),

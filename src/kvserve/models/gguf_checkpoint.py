@@ -53,6 +53,7 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -96,11 +97,7 @@ def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     interleaved pairs [x0, y0, x1, y1, ...]; this restores the halves.
     """
     rows = w.shape[0]
-    return (
-        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def dequantize_tensor(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
@@ -142,5 +139,7 @@ def find_gguf_file(path: Path) -> Path | None:
         if len(files) == 1:
             return files[0]
         if len(files) > 1:
-            raise ValueError(f"{path} holds several GGUF files; name one: {[f.name for f in files]}")
+            raise ValueError(
+                f"{path} holds several GGUF files; name one: {[f.name for f in files]}"
+            )
     return None

@@ -71,7 +71,8 @@ class RotaryEmbedding(nn.Module):
         self.theta = config.rope_theta
         self.scaling = config.rope_scaling
         self.register_buffer(
-            "inv_freq", rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
+            "inv_freq",
+            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
             persistent=False,
         )
 
@@ -80,7 +81,9 @@ class RotaryEmbedding(nn.Module):
             self.inv_freq.device
         )
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: (T,) -> cos, sin: (T, 1, head_dim), broadcast over heads
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -80,9 +80,17 @@ def load_model(
         total = count_hf_tensors(path)
     else:
         raise ValueError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
-    bar = tqdm(tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not show_progress)
+    bar = tqdm(
+        tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not show_progress
+    )
     net = build_model(config, bar, torch_dtype, torch.device(device))
-    logger.info("loaded %s (%s, %d layers, %s)", path, config.model_type, config.num_hidden_layers, torch_dtype)
+    logger.info(
+        "loaded %s (%s, %d layers, %s)",
+        path,
+        config.model_type,
+        config.num_hidden_layers,
+        torch_dtype,
+    )
     return LoadedModel(config, net, path, gguf_file)
 
 
