@@ -1,7 +1,8 @@
 """kvserve command line: generate | chat | verify.
 
 The CLI owns the terminal: it parses flags, configures logging, prints. Everything it runs
-lives in the library.
+lives in the library. ``generate`` and ``chat`` run on the paged engine; ``generate
+--no-cache`` and ``verify`` use the reference decoders.
 """
 
 from __future__ import annotations
@@ -12,20 +13,54 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.engine.llm import LLM
+from kvserve.engine.request import RequestOutput
 from kvserve.models.loader import DTYPES
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession, chat_turn, generate_once, new_conversation
+from kvserve.session import ModelSession, generate_once
 from kvserve.verify import verify
 
 DEFAULT_MAX_TOKENS = 128  # the CLI's default; SamplingParams keeps vLLM's 16 for the API
-_SP = SamplingParams()
+_SP, _CACHE, _SCHED = SamplingParams(), CacheConfig(), SchedulerConfig()
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and KV cache dtype")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--verbose", "-v", action="store_true", help="log more (and per-turn cache reuse in chat)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=list(DTYPES), help="weights and KV cache dtype"
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--verbose", "-v", action="store_true", help="log more (and per-turn cache reuse in chat)"
+    )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV cache budget: bytes, GiB, or e.g. 2GiB / 512MiB (default 1GiB)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache size in blocks (overrides --kv-cache-memory)",
+    )
+    p.add_argument("--block-size", type=int, default=_CACHE.block_size)
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--max-num-seqs", type=int, default=_SCHED.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=_SCHED.max_num_batched_tokens)
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's context length"
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,26 +88,54 @@ def _sampling(args: argparse.Namespace, logprobs: int | None = None) -> Sampling
     )
 
 
+def _llm(args: argparse.Namespace, session: ModelSession) -> LLM:
+    return LLM(
+        session=session,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="An LLM inference engine built around its KV cache.")
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="An LLM inference engine built around its KV cache."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt, streaming the text")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
-    g.add_argument("--chat", action="store_true", help="wrap --prompt as a user message in the chat template")
+    g.add_argument(
+        "--chat", action="store_true", help="wrap --prompt as a user message in the chat template"
+    )
     _add_model_args(g)
+    _add_engine_args(g)
     _add_sampling_args(g)
-    g.add_argument("--no-cache", action="store_true", help="recompute K/V of the whole sequence every step")
-    g.add_argument("--logprobs", type=int, default=None, metavar="K", help="top-K logprobs per token (with --json)")
+    g.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="reference decoder: recompute K/V of the whole sequence every step",
+    )
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="top-K logprobs per token (with --json)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat; each turn reuses the cache")
     _add_model_args(c)
+    _add_engine_args(c)
     _add_sampling_args(c)
     c.add_argument("--system", default=None, help="system prompt")
-    c.add_argument("--max-model-len", type=int, default=4096, help="cache capacity in tokens")
 
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
     _add_model_args(v)
@@ -82,51 +145,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args, args.logprobs)  # validate flags before the slow model load
     session = ModelSession.open(args.model, args.dtype, args.device, show_progress=not args.json)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError as e:
-            raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from e
+            raise ValueError(
+                f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}"
+            ) from e
     else:
         prompt_ids = session.encode_prompt(args.prompt, chat=args.chat)
-    params = _sampling(args, args.logprobs)
-
-    def stream(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-    result = generate_once(session, prompt_ids, params, no_cache=args.no_cache, on_text=None if args.json else stream)
-    if args.json:
-        out = {
-            "token_ids": result.token_ids,
-            "text": result.text,
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "finish_reason": result.finish_reason,
-            "kv_projections": result.kv_projections,
-            "ttft_s": result.ttft_s,
-            "tokens_per_s": result.tokens_per_s,
-        }
-        if result.logprobs is not None:
-            out["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in result.logprobs]
-        print(json.dumps(out))
+    on_text = None if args.json else _write
+    if args.no_cache:
+        r = generate_once(session, prompt_ids, params, no_cache=True, on_text=on_text)
+        token_ids, text, finish, cached = r.token_ids, r.text, r.finish_reason, 0
+        projections, ttft, total = r.kv_projections, r.ttft_s, r.ttft_s + r.decode_s
     else:
-        sys.stdout.write("\n")
+        out: RequestOutput | None = None
+        for out in _llm(args, session).stream(prompt_ids, params):
+            if on_text is not None and out.new_text:
+                on_text(out.new_text)
+        assert out is not None and out.finished
+        token_ids, text, finish, cached = (
+            out.token_ids,
+            out.text,
+            out.finish_reason,
+            out.num_cached_tokens,
+        )
+        projections, ttft, total = out.kv_projections, out.ttft_s, out.ttft_s + out.decode_time_s
+        r = out
+    if args.json:
+        result = {
+            "token_ids": token_ids,
+            "text": text,
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": len(token_ids),
+            "finish_reason": finish,
+            "num_cached_tokens": cached,
+            "kv_projections": projections,
+            "ttft_s": ttft,
+            "tokens_per_s": len(token_ids) / total if total > 0 else 0.0,
+        }
+        if r.logprobs is not None:
+            result["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in r.logprobs]
+        print(json.dumps(result))
+    else:
+        decode_rate = (len(token_ids) - 1) / (total - ttft) if total > ttft else 0.0
+        _write("\n")
         print(
-            f"[{result.prompt_tokens} prompt + {result.completion_tokens} generated tokens, "
-            f"finish={result.finish_reason}, TTFT {result.ttft_s * 1e3:.0f} ms, "
-            f"{result.decode_tokens_per_s:.1f} tok/s decode]",
+            f"[{len(prompt_ids)} prompt tokens ({cached} cached) + {len(token_ids)} generated, "
+            f"finish={finish}, TTFT {ttft * 1e3:.0f} ms, {decode_rate:.1f} tok/s decode]",
             file=sys.stderr,
         )
     return 0
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    session = ModelSession.open(args.model, args.dtype, args.device, show_progress=True)
     params = _sampling(args)
-    conversation = new_conversation(session, args.system, args.max_model_len)
+    session = ModelSession.open(args.model, args.dtype, args.device, show_progress=True)
+    tokenizer = session.require_tokenizer()
+    llm = _llm(args, session)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat -- empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
@@ -135,18 +221,25 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
-
-        def stream(text: str) -> None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-        turn = chat_turn(session, conversation, line, params, on_text=stream)
-        sys.stdout.write("\n")
+        messages.append({"role": "user", "content": line})
+        prompt = tokenizer.apply_chat_template(messages)
+        out: RequestOutput | None = None
+        try:
+            for out in llm.stream(prompt, params):
+                _write(out.new_text)
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        _write("\n")
+        assert out is not None
+        messages.append({"role": "assistant", "content": out.text})
         if args.verbose:
+            # the prefix cache works in whole blocks: reuse is the conversation so far, rounded
+            # down to a block boundary
             print(
-                f"[prompt {turn.prompt_tokens} tokens: {turn.reused_tokens} reused from the cache, "
-                f"{turn.computed_tokens} computed; {turn.completion_tokens} generated; "
-                f"cache holds {turn.cache_tokens}/{args.max_model_len} tokens]",
+                f"[prompt {len(prompt)} tokens: {out.num_cached_tokens} reused from the cache, "
+                f"{len(prompt) - out.num_cached_tokens} computed; {len(out.token_ids)} generated]",
                 file=sys.stderr,
             )
     return 0

@@ -100,7 +100,9 @@ class _DenseWrite:
         self.k_cache[layer_idx, :, self.start : end] = k.transpose(0, 1)
         self.v_cache[layer_idx, :, self.start : end] = v.transpose(0, 1)
         return causal_attention(
-            q, self.k_cache[layer_idx, :, :end], self.v_cache[layer_idx, :, :end],
+            q,
+            self.k_cache[layer_idx, :, :end],
+            self.v_cache[layer_idx, :, :end],
             q.shape[-1] ** -0.5,
         )
 

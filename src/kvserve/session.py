@@ -71,7 +71,9 @@ class ModelSession:
             raise ValueError("the prompt is empty")
         bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+            raise ValueError(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
         limit = self.config.max_model_len
         if len(prompt_ids) + max_tokens > limit:
             raise ValueError(
@@ -90,7 +92,9 @@ def generate_once(
 ) -> GenerationResult:
     session.check_prompt(prompt_ids, params.max_tokens)
     max_len = len(prompt_ids) + params.max_tokens
-    decoder = NoCacheDecoder(session.model) if no_cache else DenseCacheDecoder(session.model, max_len)
+    decoder = (
+        NoCacheDecoder(session.model) if no_cache else DenseCacheDecoder(session.model, max_len)
+    )
     return generate(
         decoder,
         prompt_ids,
@@ -140,11 +144,18 @@ def chat_turn(
     prompt = tok.apply_chat_template(messages)
     max_len = conv.decoder.max_len
     if len(prompt) >= max_len:
-        raise ValueError(f"the conversation ({len(prompt)} tokens) no longer fits the cache of {max_len} tokens")
+        raise ValueError(
+            f"the conversation ({len(prompt)} tokens) no longer fits the cache of {max_len} tokens"
+        )
     params = _fit_max_tokens(params, max_len - len(prompt))
     result = generate(
-        conv.decoder, prompt, params, eos_token_ids=session.eos_token_ids, tokenizer=tok,
-        on_text=on_text, max_len=max_len,
+        conv.decoder,
+        prompt,
+        params,
+        eos_token_ids=session.eos_token_ids,
+        tokenizer=tok,
+        on_text=on_text,
+        max_len=max_len,
     )
     conv.messages = [*messages, {"role": "assistant", "content": result.text}]
     counters = conv.decoder.counters

@@ -41,7 +41,9 @@ class VerifyReport:
         return d
 
     def lines(self) -> list[str]:
-        diverged = "" if self.same_tokens else f" (first difference at token {self.first_divergence})"
+        diverged = (
+            "" if self.same_tokens else f" (first difference at token {self.first_divergence})"
+        )
         return [
             f"prompt tokens:            {self.prompt_tokens}",
             f"generated tokens:         {self.generated_tokens}",

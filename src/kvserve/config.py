@@ -1,0 +1,54 @@
+"""Engine configuration: frozen, validated dataclasses with no I/O.
+
+The CLI and ``LLM`` take their defaults from here, so every default has one source.
+Names follow vLLM (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
+``enable_prefix_caching``, ``max_model_len``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither a budget nor a block count is given
+
+
+def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: num_blocks, or DEFAULT_KV_CACHE_MEMORY
+    num_blocks: int | None = None  # overrides kv_cache_memory
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        _positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        _positive_int("num_blocks", self.num_blocks, allow_none=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per step (decodes + prefill chunks)
+    max_model_len: int | None = None  # None: the model's context length
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf; None: the embedded default model
+    dtype: str = "float32"
+    device: str | None = None  # None: cuda if available, else cpu
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    show_progress: bool = False  # progress bar while loading weights

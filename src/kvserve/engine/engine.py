@@ -1,0 +1,196 @@
+"""LLMEngine: add_request / step / abort_request / has_unfinished_requests.
+
+``step()`` = schedule -> run the model -> sample -> update requests, free what finished.
+One engine owns one model, one paged KV cache and one scheduler; nothing is global, so a
+process may hold several.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.output import append_token, make_output
+from kvserve.engine.request import Request, RequestOutput, RequestStatus
+from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVCacheSpec
+from kvserve.kv.storage import KVCacheStorage
+from kvserve.models.config import ModelConfig
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.sampling import SamplingParams, make_generator, sample
+from kvserve.session import ModelSession
+from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_used_blocks: int
+    kv_cache_usage: float  # used blocks / total
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_preemptions: int
+    prompt_tokens: int  # tokens of prompts admitted
+    generation_tokens: int  # tokens generated
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer | None,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        cache_config = cache_config or CacheConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        limit = model_config.max_model_len
+        wanted = scheduler_config.max_model_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(
+                f"max_model_len {wanted} exceeds the model's context of {limit} tokens"
+            )
+        self.max_model_len = wanted or limit
+        self.spec = KVCacheSpec.for_model(model_config, model.dtype, cache_config.block_size)
+        num_blocks = cache_config.num_blocks or self.spec.num_blocks_for(
+            cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        )
+        self.storage = KVCacheStorage(self.spec, num_blocks, model.device)
+        self.kv_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
+        self.runner = ModelRunner(model, self.storage)
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info(
+            "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)",
+            num_blocks,
+            self.spec.block_size,
+            self.storage.nbytes / 2**20,
+            self.spec.bytes_per_token,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        session = ModelSession.open(config.model, config.dtype, config.device, config.show_progress)
+        return cls.from_session(session, config.cache, config.scheduler)
+
+    @classmethod
+    def from_session(
+        cls,
+        session: ModelSession,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+    ) -> LLMEngine:
+        return cls(
+            session.model,
+            session.config,
+            session.tokenizer,
+            cache,
+            scheduler,
+            session.eos_token_ids,
+        )
+
+    # -- requests ---------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Queue a request; raises ValueError if it can never run (nothing is queued then)."""
+        params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        ids = self.encode(prompt)
+        req = Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            generator=make_generator(params.seed, self.runner.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+        )
+        self.scheduler.add_request(req)
+        self.prompt_tokens_total += len(ids)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort in any state; frees every block it held. False if unknown or finished."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        requests = self.scheduler.requests
+        logits = self.runner.execute(sched, requests)
+        self.scheduler.update_after_step(sched)
+        now = time.monotonic()
+        outputs = []
+        for request_id, row in logits.items():
+            req = requests[request_id]
+            token = sample(row, req.sampling_params, req.generator)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self.generation_tokens_total += 1
+            status = append_token(req, token, row, self.max_model_len)
+            if status is not None:
+                self.scheduler.finish(req, status)
+            outputs.append(make_output(req, [token]))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_manager.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=pool.num_blocks,
+            num_used_blocks=pool.num_used_blocks,
+            kv_cache_usage=pool.usage,
+            prefix_cache_queries=self.kv_manager.prefix_queries,
+            prefix_cache_hits=self.kv_manager.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.prompt_tokens_total,
+            generation_tokens=self.generation_tokens_total,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv_manager.check_integrity()

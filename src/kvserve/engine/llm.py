@@ -1,0 +1,111 @@
+"""LLM: the offline API. ``LLM(model=...).generate(prompts, SamplingParams)``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.engine.request import RequestOutput
+from kvserve.kv.spec import parse_memory
+from kvserve.sampling import SamplingParams
+from kvserve.session import ModelSession
+
+Prompt = str | Sequence[int]
+_CACHE, _SCHED = CacheConfig(), SchedulerConfig()  # immutable: the defaults' single source
+
+
+class LLM:
+    """Load a model once, then generate for many prompts with continuous batching.
+
+    ``kv_cache_memory``: bytes (int), GiB (float) or a string such as "2GiB"; ``num_kv_blocks``
+    sets the block count directly instead.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        kv_cache_memory: int | float | str | None = None,
+        num_kv_blocks: int | None = None,
+        block_size: int = _CACHE.block_size,
+        enable_prefix_caching: bool = _CACHE.enable_prefix_caching,
+        max_num_seqs: int = _SCHED.max_num_seqs,
+        max_num_batched_tokens: int = _SCHED.max_num_batched_tokens,
+        max_model_len: int | None = None,
+        session: ModelSession | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        self.session = session or ModelSession.open(model, dtype, device, show_progress)
+        cache = CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=None if kv_cache_memory is None else parse_memory(kv_cache_memory),
+            num_blocks=num_kv_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.engine = LLMEngine.from_session(self.session, cache, sched)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion; outputs in the order of the prompts.
+
+        Every prompt is checked before any is queued: one that can never fit raises
+        ValueError and nothing runs.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt: text, or one list of token ids
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        encoded = [engine.encode(p) for p in prompts]
+        for ids, p in zip(encoded, params, strict=True):
+            engine.scheduler.check_fits(len(ids), p.max_tokens)
+        order = [
+            engine.add_request(ids, p, cache_salt=cache_salt).request_id
+            for ids, p in zip(encoded, params, strict=True)
+        ]
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="requests", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[rid] for rid in order]
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """One request, yielding an output per generated token (the last one has finished=True).
+
+        Stopping the iteration early aborts the request and frees its blocks.
+        """
+        engine = self.engine
+        req = engine.add_request(prompt, sampling_params, cache_salt=cache_salt)
+        try:
+            while True:
+                for out in engine.step():
+                    if out.request_id == req.request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if not req.status.finished:
+                engine.abort_request(req.request_id)

@@ -1,0 +1,102 @@
+"""Request: one prompt's journey through the engine, and RequestOutput, what callers see."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.sampling import SamplingParams
+from kvserve.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks taken back; waiting to be recomputed
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """Mutable state of one request. ``all_token_ids`` = prompt + output; the first
+    ``num_computed_tokens`` of them have K/V in the cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    all_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = (
+        -1
+    )  # prompt tokens served by the prefix cache (set when first scheduled)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
+    kv_projections: int = 0  # tokens whose K/V this request computed (recomputation included)
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+    num_emitted_chars: int = 0  # text already handed out as deltas
+    logprobs: list[dict[int, float]] | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A snapshot of a request after a step: everything so far plus this step's delta."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_cached_tokens: int
+    logprobs: list[dict[int, float]] | None
+    queue_time_s: float | None  # arrival -> first scheduled
+    ttft_s: float | None  # arrival -> first token
+    decode_time_s: float | None  # first token -> finished
+    num_preemptions: int = 0
+    kv_projections: int = 0

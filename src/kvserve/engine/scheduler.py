@@ -1,0 +1,184 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Every step mixes decodes (one token) and prefill chunks under two limits:
+``max_num_batched_tokens`` per step and ``max_num_seqs`` running requests. Running requests
+are served first, in admission order; then waiting ones, front first, starting from their
+prefix-cache hit. When the pool is out of blocks for a running request, the newest running
+request is preempted: its blocks are freed and it goes back to the front of the waiting queue,
+to be recomputed later (usually through its own prefix-cache hit). A step that preempted
+admits no new request.
+
+The scheduler knows requests and block ids, never tensors: ``SchedulerOutput`` is plain data
+for the model runner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvserve.config import SchedulerConfig
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    num_computed_tokens: int  # tokens already in the cache before this step
+    num_new_tokens: int  # tokens this step computes
+    block_ids: list[int]  # the request's block table after allocation
+    samples: bool  # this step reaches the request's last token: sample from its logits
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # copy-on-write, before the step
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+    ) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- admission -------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if a request of this size could never run."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len ({self.max_model_len})"
+            )
+        blocks = -(-total // self.kv.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, more than the "
+                f"pool holds ({self.kv.pool.num_blocks} blocks of {self.kv.block_size}); raise "
+                "kv_cache_memory or lower max_tokens"
+            )
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.check_fits(req.num_prompt_tokens, req.sampling_params.max_tokens)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Mark finished and release everything it holds (any state)."""
+        assert status.finished
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = status
+        req.finished_time = time.monotonic()
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        new_tokens: dict[str, int] = {}
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self._try_allocate(req, n, out):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                new_tokens.pop(victim.request_id, None)
+                if victim is req:
+                    break
+            else:
+                new_tokens[req.request_id] = n
+                budget -= n
+                i += 1
+
+        if not out.preempted:
+            now = time.monotonic()
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                computed, num_hit = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit, budget)
+                if self.kv.allocate_slots(req, n, computed) is None:
+                    break  # no room now; it stays first in line
+                self.waiting.popleft()
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                new_tokens[req.request_id] = n
+                budget -= n
+
+        for req in self.running:
+            n = new_tokens.get(req.request_id)
+            if n:
+                out.scheduled.append(
+                    ScheduledRequest(
+                        req.request_id,
+                        req.num_computed_tokens,
+                        n,
+                        self.kv.block_ids(req.request_id),
+                        samples=req.num_computed_tokens + n == req.num_tokens,
+                    )
+                )
+        return out
+
+    def _try_allocate(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        cow = self.kv.cow_blocks_needed(req)
+        if cow and self.kv.pool.num_free_blocks < cow + self.kv.num_blocks_needed(req, n):
+            return False
+        if cow:
+            copy = self.kv.prepare_write(req)
+            if copy is not None:
+                out.block_copies.append(copy)
+        return self.kv.allocate_slots(req, n) is not None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """The step ran: advance computed counts and register newly full blocks."""
+        for s in out.scheduled:
+            req = self.requests[s.request_id]
+            req.num_computed_tokens += s.num_new_tokens
+            req.kv_projections += s.num_new_tokens
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)

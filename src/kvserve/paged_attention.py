@@ -1,0 +1,116 @@
+"""Attention over the paged KV cache, for a batch of requests of different lengths.
+
+The model runner lays a step's tokens out flat, decodes first:
+
+    tokens   [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]      3 decodes, 2 prefill chunks
+    query_start_loc  0  1  2  3           7     9
+
+and describes each request by its ``seq_len`` (tokens cached after this step, the new ones
+included) and its block table. ``PagedAttention`` writes this step's K/V at ``slot_mapping``
+and then attends:
+
+- decodes, all at once: gather each request's blocks into (B, S, kv_heads, head_dim), mask
+  keys past its length, one SDPA call with the query heads folded into their KV groups;
+- prefill chunks, one request at a time: gather its blocks, causal attention whose offset
+  is the number of tokens already cached (new tokens see the cached prefix plus earlier new
+  tokens).
+
+``reference_paged_attention`` is the plain per-request version the fast one is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention import causal_attention
+from kvserve.kv.storage import KVCacheStorage
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go and what each request attends to. Built by the runner."""
+
+    slot_mapping: torch.Tensor  # (T,) long: cache slot of every token of the step
+    query_start_loc: list[int]  # (B + 1,): request i owns tokens [q[i], q[i + 1])
+    seq_lens: list[int]  # (B,): tokens in the cache after this step, per request
+    block_tables: torch.Tensor  # (B, max_blocks) long, padded with 0 past each request's blocks
+    num_decodes: int  # requests [0, num_decodes) have exactly one query token
+    seq_lens_tensor: torch.Tensor  # (B,) long, same as seq_lens, on the device
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
+    """(num_blocks, block_size, H, D) cache, padded block ids -> the first n rows (n, H, D)."""
+    nb = -(-n // cache.shape[1])
+    return cache[block_table[:nb]].flatten(0, 1)[:n]
+
+
+def _attend_one(
+    storage: KVCacheStorage, md: AttentionMetadata, layer_idx: int, i: int, q: torch.Tensor
+) -> torch.Tensor:
+    """Request i's queries (t, H, D) over its cached keys: causal, offset = seq_len - t."""
+    lo, hi, n = md.query_start_loc[i], md.query_start_loc[i + 1], md.seq_lens[i]
+    k = _gather(storage.key_cache(layer_idx), md.block_tables[i], n).transpose(0, 1)
+    v = _gather(storage.value_cache(layer_idx), md.block_tables[i], n).transpose(0, 1)
+    return causal_attention(q[lo:hi], k, v, q.shape[-1] ** -0.5)
+
+
+class PagedAttention:
+    """The ``AttentionBackend`` of one engine step."""
+
+    def __init__(self, storage: KVCacheStorage, metadata: AttentionMetadata) -> None:
+        self.storage = storage
+        self.md = metadata
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.storage.write(layer_idx, self.md.slot_mapping, k, v)
+        out = torch.empty_like(q)
+        nd = self.md.num_decodes
+        if nd:
+            out[:nd] = self._decode(layer_idx, q[:nd])
+        for i in range(nd, self.md.num_reqs):  # prefill chunks: one request at a time
+            out[self.md.query_start_loc[i] : self.md.query_start_loc[i + 1]] = _attend_one(
+                self.storage, self.md, layer_idx, i, q
+            )
+        return out
+
+    def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        md, nd = self.md, q.shape[0]
+        k_cache, v_cache = self.storage.key_cache(layer_idx), self.storage.value_cache(layer_idx)
+        block_size = k_cache.shape[1]
+        max_len = max(md.seq_lens[:nd])
+        nb = -(-max_len // block_size)
+        table = md.block_tables[:nd, :nb]  # (B, nb)
+        # (B, nb, bs, kvh, D) -> (B, kvh, S, D)
+        k = k_cache[table].flatten(1, 2).transpose(1, 2)
+        v = v_cache[table].flatten(1, 2).transpose(1, 2)
+        b, kvh, s, d = k.shape
+        group = q.shape[1] // kvh
+        qg = q.view(b, kvh, group, d)
+        visible = (
+            torch.arange(s, device=q.device)[None, :] < md.seq_lens_tensor[:nd, None]
+        )  # (B, S)
+        out = F.scaled_dot_product_attention(
+            qg, k, v, attn_mask=visible[:, None, None, :], scale=d**-0.5
+        )
+        return out.reshape(b, kvh * group, d)
+
+
+def reference_paged_attention(
+    storage: KVCacheStorage, md: AttentionMetadata, layer_idx: int, q: torch.Tensor
+) -> torch.Tensor:
+    """Per request: gather its blocks, causal SDPA. K/V of this step must already be written."""
+    out = torch.empty_like(q)
+    for i in range(md.num_reqs):
+        out[md.query_start_loc[i] : md.query_start_loc[i + 1]] = _attend_one(
+            storage, md, layer_idx, i, q
+        )
+    return out

@@ -1,0 +1,204 @@
+"""The paged engine against the reference decoders: identical greedy tokens (float32) alone,
+batched, after a prefix-cache hit, with chunked prefill and after preemption; cached-token
+counts; refusals; aborts; no leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.engine.llm import LLM
+from kvserve.generation import generate
+from kvserve.reference import DenseCacheDecoder
+from kvserve.sampling import SamplingParams
+from kvserve.session import ModelSession
+
+from conftest import make_hf_checkpoint, random_token_ids
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory) -> ModelSession:
+    path, _ = make_hf_checkpoint(
+        tmp_path_factory.mktemp("engine"), "llama", num_key_value_heads=2, max_position_embeddings=512
+    )
+    return ModelSession.open(path, "float32", "cpu")
+
+
+def reference_tokens(session: ModelSession, prompt: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    decoder = DenseCacheDecoder(session.model, len(prompt) + max_tokens)
+    return generate(decoder, prompt, params).token_ids
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def make_llm(session: ModelSession, **kwargs) -> LLM:
+    kwargs.setdefault("num_kv_blocks", 256)
+    kwargs.setdefault("block_size", BLOCK)
+    return LLM(session=session, **kwargs)
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    engine = llm.engine
+    engine.check_integrity()
+    pool = engine.kv_manager.pool
+    assert not engine.has_unfinished_requests()
+    assert pool.num_free_blocks == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert engine.stats().kv_cache_usage == 0.0
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    return [random_token_ids(n, seed=seed + i) for i, n in enumerate(lengths)]
+
+
+def test_single_request_matches_reference(session: ModelSession) -> None:
+    prompt = random_token_ids(13, seed=1)
+    llm = make_llm(session)
+    (out,) = llm.generate([prompt], greedy(20), use_tqdm=False)
+    assert out.token_ids == reference_tokens(session, prompt, 20)
+    assert out.finish_reason == "length"
+    assert out.kv_projections == 13 + 20 - 1
+    assert_no_leaks(llm)
+
+
+def test_sixteen_requests_batched_match_reference(session: ModelSession) -> None:
+    lengths = [1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 23, 31, 32, 33, 40, 57]
+    prompts = prompts_of(lengths, seed=100)
+    max_tokens = [5 + (i * 7) % 19 for i in range(len(prompts))]
+    llm = make_llm(session, max_num_seqs=16)
+    outs = llm.generate(prompts, [greedy(m) for m in max_tokens], use_tqdm=False)
+    for prompt, m, out in zip(prompts, max_tokens, outs, strict=True):
+        assert out.token_ids == reference_tokens(session, prompt, m)
+    assert_no_leaks(llm)
+
+
+def test_prefix_cache_hit_matches_and_counts(session: ModelSession) -> None:
+    shared = random_token_ids(22, seed=7)  # 5 full blocks of 4 + 2 tokens
+    a = shared + random_token_ids(5, seed=8)
+    b = shared + random_token_ids(6, seed=9)
+    llm = make_llm(session)
+    (out_a,) = llm.generate([a], greedy(8), use_tqdm=False)
+    (out_b,) = llm.generate([b], greedy(8), use_tqdm=False)
+    assert out_a.num_cached_tokens == 0
+    assert out_b.num_cached_tokens == (22 // BLOCK) * BLOCK
+    assert out_b.token_ids == reference_tokens(session, b, 8)
+    assert out_b.kv_projections == len(b) - 20 + 8 - 1
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits == 20
+    assert stats.prefix_cache_queries == len(a) + len(b)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("p", [8, 10])
+def test_whole_prompt_cached_recomputes_last_token(session: ModelSession, p: int) -> None:
+    prompt = random_token_ids(p, seed=11)
+    llm = make_llm(session)
+    first = llm.generate([prompt], greedy(4), use_tqdm=False)[0]
+    again = llm.generate([prompt], greedy(4), use_tqdm=False)[0]
+    # a P-token prompt that is all prefix: floor(P / bs) blocks, one less if P % bs == 0
+    want = (p // BLOCK) * BLOCK if p % BLOCK else p - BLOCK
+    assert again.num_cached_tokens == want
+    assert again.token_ids == first.token_ids
+    assert_no_leaks(llm)
+
+
+def test_hit_while_first_owner_still_runs(session: ModelSession) -> None:
+    shared = random_token_ids(16, seed=21)
+    llm = make_llm(session)
+    engine = llm.engine
+    first = engine.add_request(shared + [1, 2], greedy(30))
+    for _ in range(3):
+        engine.step()  # first is decoding, its prompt blocks registered
+    second = engine.add_request(shared + [3], greedy(5))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert second.num_cached_tokens == 16
+    assert first.output_token_ids == reference_tokens(session, shared + [1, 2], 30)
+    assert second.output_token_ids == reference_tokens(session, shared + [3], 5)
+    assert_no_leaks(llm)
+
+
+def test_chunked_prefill_matches_reference(session: ModelSession) -> None:
+    prompts = prompts_of([30, 7, 45, 3], seed=300)
+    llm = make_llm(session, max_num_batched_tokens=8)
+    outs = llm.generate(prompts, greedy(10), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference_tokens(session, prompt, 10)
+    assert_no_leaks(llm)
+
+
+def test_preemption_recomputes_exactly(session: ModelSession) -> None:
+    prompts = prompts_of([10, 14, 9, 12, 11, 13], seed=400)
+    # 16 blocks of 4 = 64 slots; six requests of ~12 + 24 tokens cannot all stay resident
+    llm = make_llm(session, num_kv_blocks=16)
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert llm.engine.stats().num_preemptions > 0
+    assert sum(o.num_preemptions for o in outs) > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference_tokens(session, prompt, 24)
+    assert_no_leaks(llm)
+
+
+def test_refusals_leave_the_engine_serving(session: ModelSession) -> None:
+    llm = make_llm(session, num_kv_blocks=8, max_model_len=64)
+    engine = llm.engine
+    ok = engine.add_request(random_token_ids(5, seed=1), greedy(6))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request(random_token_ids(60, seed=2), greedy(10))
+    with pytest.raises(ValueError, match="more than the pool holds"):
+        engine.add_request(random_token_ids(30, seed=3), greedy(10))  # 40 tokens > 8 blocks of 4
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], greedy(4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 10_000], greedy(4))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([random_token_ids(70, seed=4)], greedy(1), use_tqdm=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert ok.output_token_ids == reference_tokens(session, ok.prompt_token_ids, 6)
+    assert_no_leaks(llm)
+
+
+def test_abort_in_every_state_frees_blocks(session: ModelSession) -> None:
+    llm = make_llm(session, max_num_batched_tokens=8, max_num_seqs=2)
+    engine = llm.engine
+    running = engine.add_request(random_token_ids(6, seed=1), greedy(50))
+    chunking = engine.add_request(random_token_ids(30, seed=2), greedy(50))
+    waiting = engine.add_request(random_token_ids(9, seed=3), greedy(50))
+    engine.step()
+    engine.step()
+    assert running.status.value == "running" and waiting.status.value == "waiting"
+    assert 0 < chunking.num_computed_tokens < 30  # mid-prefill
+    for req in (waiting, chunking, running):
+        assert engine.abort_request(req.request_id)
+        engine.check_integrity()
+    assert not engine.abort_request("no-such-request")
+    assert_no_leaks(llm)
+
+
+def test_stream_stops_early_and_frees(session: ModelSession) -> None:
+    llm = make_llm(session)
+    stream = llm.stream(random_token_ids(9, seed=5), greedy(40))
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    assert_no_leaks(llm)
+
+
+def test_seeded_sampling_is_reproducible_in_a_batch(session: ModelSession) -> None:
+    llm = make_llm(session)
+    prompt = random_token_ids(7, seed=6)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0]
+    crowd = llm.generate([prompt, random_token_ids(20, seed=7), prompt], [params, greedy(5), params], use_tqdm=False)
+    assert crowd[0].token_ids == alone.token_ids == crowd[2].token_ids
+    torch.manual_seed(0)  # the global RNG does not influence seeded requests
+    assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == alone.token_ids
+    assert_no_leaks(llm)
