@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_hf_checkpoint, random_token_ids
 
 from kvserve.engine.llm import LLM
 from kvserve.generation import generate
 from kvserve.reference import DenseCacheDecoder
 from kvserve.sampling import SamplingParams
 from kvserve.session import ModelSession
-
-from conftest import make_hf_checkpoint, random_token_ids
 
 BLOCK = 4
 
