@@ -3,76 +3,23 @@ ignore EOS. kvserve cached, kvserve no-cache and HF transformers (static cache) 
 model and dtype, alternating in the same run; prints medians and ratios, and the decode step's
 bytes read per second against this machine's measured memory bandwidth.
 
-    python benchmarks/decode.py [--model PATH] [--dtype bfloat16] [--runs 3] [--threads 2]
+    python -m benchmarks.decode [--model PATH] [--dtype bfloat16] [--runs 3] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from benchmarks.common import export_hf_dir_model, measure_bandwidth
 from kvserve.generation import generate
-from kvserve.models.loader import load_model
 from kvserve.reference import DenseCacheDecoder, NoCacheDecoder
 from kvserve.sampling import SamplingParams
-
-
-def measure_bandwidth(threads: int) -> float:
-    """GB/s of summing a 1 GiB float32 tensor (read-only streaming), best of 5."""
-    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
-
-
-def load_hf(loaded, dtype: torch.dtype):
-    """HF transformers on the same weights. A GGUF file is first written out as an HF directory
-    of its dequantized weights: transformers 5 keeps GGUF weights packed and dequantizes in
-    every matmul, which would not be the dense-weight peer a user runs."""
-    from transformers import AutoModelForCausalLM
-
-    if loaded.gguf_file is None:
-        return AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
-    tmp = Path(tempfile.mkdtemp(prefix="kvserve-bench-hf-"))
-    export_hf_dir(loaded, tmp)
-    return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
-
-
-def export_hf_dir(loaded, out: Path) -> None:
-    """config.json + model.safetensors with the loaded (dequantized) weights; names are HF's."""
-    cfg = loaded.config
-    state = {k: v.contiguous() for k, v in loaded.model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight")
-    save_file(state, out / "model.safetensors")
-    hf_cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama" if cfg.model_type == "smollm" else cfg.model_type,
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": cfg.attention_bias,
-    }
-    (out / "config.json").write_text(json.dumps(hf_cfg))
+from kvserve.session import ModelSession
 
 
 def run_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
@@ -102,9 +49,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    loaded = load_model(args.model, args.dtype)
-    model, cfg = loaded.model, loaded.config
-    hf = load_hf(loaded, model.dtype)
+    session = ModelSession.open(args.model, args.dtype)
+    model, cfg = session.model, session.config
+    hf = export_hf_dir_model(session, model.dtype)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
@@ -124,14 +71,14 @@ def main() -> None:
         rows["hf-static"].append(run_hf(hf, prompt, args.new_tokens))
         print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
 
-    bw = measure_bandwidth(args.threads)
+    bw = measure_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_row_bytes = cfg.kv_elements_per_token * model.dtype.itemsize
     avg_ctx = args.prompt_len + args.new_tokens / 2
     step_bytes = weight_bytes + kv_row_bytes * avg_ctx
 
     print(
-        f"decode-1: model={loaded.path.name} dtype={args.dtype} threads={args.threads} "
+        f"decode-1: model={session.path.name} dtype={args.dtype} threads={args.threads} "
         f"prompt={args.prompt_len} new={args.new_tokens} runs={args.runs} torch={torch.__version__}"
     )
     print(f"{'engine':<18}{'tok/s':>8}{'TTFT ms':>9}{'TPOT ms':>9}{'GB/s':>7}{'of BW':>7}")

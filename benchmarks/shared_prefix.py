@@ -1,0 +1,88 @@
+"""shared-prefix (../shared/docs/BENCHMARKS.md): 8 groups x 8 questions; each group shares a
+1,024-token system prompt, each question adds 64 tokens, 64 new tokens each, all submitted at
+once. Median time to first token and output throughput with the prefix cache on vs off.
+
+    python -m benchmarks.shared_prefix [--dtype bfloat16] [--groups 8] [--questions 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import random_prompt
+from kvserve.engine.llm import LLM
+from kvserve.sampling import SamplingParams
+from kvserve.session import ModelSession
+
+
+def workload(
+    groups: int, questions: int, prefix_len: int, question_len: int, vocab: int
+) -> list[list[int]]:
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(groups):
+        system = random_prompt(rng, prefix_len, vocab)
+        prompts += [system + random_prompt(rng, question_len, vocab) for _ in range(questions)]
+    rng.shuffle(prompts)  # arrivals interleave the groups
+    return prompts
+
+
+def run(session: ModelSession, prompts, new_tokens: int, caching: bool, max_num_seqs: int) -> dict:
+    llm = LLM(session=session, enable_prefix_caching=caching, max_num_seqs=max_num_seqs)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    stats = llm.engine.stats()
+    return {
+        "ttft": statistics.median(o.ttft_s for o in outs),
+        "tput": sum(len(o.token_ids) for o in outs) / wall,
+        "cached": sum(o.num_cached_tokens for o in outs),
+        "hit_rate": stats.prefix_cache_hits / max(1, stats.prefix_cache_queries),
+        "tokens": [o.token_ids for o in outs],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    session = ModelSession.open(args.model, args.dtype)
+    prompts = workload(
+        args.groups, args.questions, args.prefix_len, args.question_len, session.config.vocab_size
+    )
+    on = run(session, prompts, args.new_tokens, True, args.max_num_seqs)
+    off = run(session, prompts, args.new_tokens, False, args.max_num_seqs)
+    print(
+        f"shared-prefix: model={session.path.name} dtype={args.dtype} threads={args.threads} "
+        f"{args.groups} groups x {args.questions} questions, prefix {args.prefix_len} + "
+        f"{args.question_len} tokens, {args.new_tokens} new, torch={torch.__version__}"
+    )
+    for name, r in (("prefix cache on", on), ("prefix cache off", off)):
+        print(
+            f"{name:<17} median TTFT {r['ttft']:7.2f} s   {r['tput']:7.1f} output tok/s   "
+            f"cached prompt tokens {r['cached']:>6}   hit rate {r['hit_rate']:.1%}"
+        )
+    same = sum(a == b for a, b in zip(on["tokens"], off["tokens"], strict=True))
+    print(
+        f"TTFT off/on: {off['ttft'] / on['ttft']:.2f}x   throughput on/off: {on['tput'] / off['tput']:.2f}x   "
+        f"identical outputs: {same}/{len(prompts)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
