@@ -42,6 +42,8 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int  # tokens of prompts admitted
     generation_tokens: int  # tokens generated
+    scheduler_time_s: float  # wall time spent in KV bookkeeping and scheduling
+    model_time_s: float  # wall time spent running the model
 
 
 class LLMEngine:
@@ -79,6 +81,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.scheduler_time_s = 0.0
+        self.model_time_s = 0.0
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)",
             num_blocks,
@@ -159,10 +163,15 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         requests = self.scheduler.requests
+        t1 = time.perf_counter()
         logits = self.runner.execute(sched, requests)
+        t2 = time.perf_counter()
         self.scheduler.update_after_step(sched)
+        self.scheduler_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        self.model_time_s += t2 - t1
         now = time.monotonic()
         outputs = []
         for request_id, row in logits.items():
@@ -190,6 +199,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self.prompt_tokens_total,
             generation_tokens=self.generation_tokens_total,
+            scheduler_time_s=self.scheduler_time_s,
+            model_time_s=self.model_time_s,
         )
 
     def check_integrity(self) -> None:

@@ -128,6 +128,7 @@ class Scheduler:
                 if self.kv.allocate_slots(req, n, computed) is None:
                     break  # no room now; it stays first in line
                 self.waiting.popleft()
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit

@@ -73,9 +73,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count an admitted request's lookup once (retries while the pool is full don't)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += num_hit
 
     def num_blocks_needed(
         self, req: CacheRequest, num_new_tokens: int, computed: list[KVBlock] = ()
