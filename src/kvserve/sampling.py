@@ -31,8 +31,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            try:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+            except TypeError as e:
+                raise TypeError(f"{name} must be a sequence, got {getattr(self, name)!r}") from e
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         _check_int("max_tokens", self.max_tokens, 1, None)
         _check_float("temperature", self.temperature, 0.0, None)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
@@ -83,6 +88,8 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities (vocab,) after temperature, top-k, top-p and min-p; zero outside support."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
     x = logits.float() / params.temperature
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
