@@ -20,7 +20,10 @@ BLOCK = 4
 @pytest.fixture(scope="module")
 def session(tmp_path_factory) -> ModelSession:
     path, _ = make_hf_checkpoint(
-        tmp_path_factory.mktemp("engine"), "llama", num_key_value_heads=2, max_position_embeddings=512
+        tmp_path_factory.mktemp("engine"),
+        "llama",
+        num_key_value_heads=2,
+        max_position_embeddings=512,
     )
     return ModelSession.open(path, "float32", "cpu")
 
@@ -196,7 +199,9 @@ def test_seeded_sampling_is_reproducible_in_a_batch(session: ModelSession) -> No
     prompt = random_token_ids(7, seed=6)
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = llm.generate([prompt], params, use_tqdm=False)[0]
-    crowd = llm.generate([prompt, random_token_ids(20, seed=7), prompt], [params, greedy(5), params], use_tqdm=False)
+    crowd = llm.generate(
+        [prompt, random_token_ids(20, seed=7), prompt], [params, greedy(5), params], use_tqdm=False
+    )
     assert crowd[0].token_ids == alone.token_ids == crowd[2].token_ids
     torch.manual_seed(0)  # the global RNG does not influence seeded requests
     assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == alone.token_ids
