@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.engine.llm import LLM
+from kvserve.models.packed_linear import dense_state_dict
 from kvserve.session import ModelSession
 
 
@@ -48,7 +49,7 @@ def kvserve_llm(model: str | None, dtype: str, **engine_kwargs) -> LLM:
 def export_hf_dir(session: ModelSession, out: Path) -> None:
     """config.json + model.safetensors with the loaded (dequantized) weights; names are HF's."""
     cfg = session.config
-    state = {k: v.contiguous() for k, v in session.model.state_dict().items()}
+    state = {k: v.contiguous() for k, v in dense_state_dict(session.model).items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, out / "model.safetensors")

@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.common import export_hf_dir_model, measure_bandwidth
 from kvserve.generation import generate
+from kvserve.models.packed_linear import dense_state_dict
 from kvserve.reference import DenseCacheDecoder, NoCacheDecoder
 from kvserve.sampling import SamplingParams
 from kvserve.session import ModelSession
@@ -72,7 +73,7 @@ def main() -> None:
         print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
 
     bw = measure_bandwidth()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = sum(t.nbytes for t in dense_state_dict(model).values())
     kv_row_bytes = cfg.kv_elements_per_token * model.dtype.itemsize
     avg_ctx = args.prompt_len + args.new_tokens / 2
     step_bytes = weight_bytes + kv_row_bytes * avg_ctx

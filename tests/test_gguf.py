@@ -29,6 +29,7 @@ from gguf.quants import dequantize, quantize
 
 from kvserve.models.gguf_checkpoint import SUPPORTED_GGML_TYPES
 from kvserve.models.loader import load_model
+from kvserve.models.packed_linear import dense_state_dict
 from kvserve.reference import full_logits
 
 Q = GGMLQuantizationType
@@ -60,7 +61,7 @@ def hf_name(gguf_name: str) -> str:
 
 def as_stored(model, gguf_name: str, arch: str = "llama") -> np.ndarray:
     """A loaded kvserve parameter in the layout the GGUF file stores it (q/k re-permuted)."""
-    w = dict(model.named_parameters())[hf_name(gguf_name)].detach().float().numpy()
+    w = dense_state_dict(model)[hf_name(gguf_name)].detach().float().numpy()
     cfg = model.config
     if arch == "llama" and gguf_name.endswith("attn_q.weight"):
         return llama_cpp_permute(w, cfg.num_attention_heads)

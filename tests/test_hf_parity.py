@@ -85,8 +85,11 @@ def test_float32_logits_match_transformers(tmp_path: Path, model_type: str, over
 
 def test_tied_model_shares_embedding_and_head(tmp_path: Path):
     ckpt, _ = make_hf_checkpoint(tmp_path, "llama", tie_word_embeddings=True)
-    model = load_model(ckpt).model
+    model = load_model(ckpt, pack_weights=False).model
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    # packed for oneDNN, the head is a re-laid copy of the same values
+    packed = load_model(ckpt, pack_weights=True).model
+    assert torch.equal(packed.lm_head.weight, packed.model.embed_tokens.weight)
 
 
 def test_llama3_rope_config_is_read(tmp_path: Path):

@@ -26,6 +26,7 @@ from kvserve.models.gguf_checkpoint import (
 from kvserve.models.hf_checkpoint import count_hf_tensors, iter_hf_tensors, read_hf_config
 from kvserve.models.layers import rope_inv_freq
 from kvserve.models.llama import MODEL_REGISTRY, LlamaForCausalLM
+from kvserve.models.packed_linear import pack_linears, packing_available
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,12 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     show_progress: bool = False,
+    pack_weights: bool = True,
 ) -> LoadedModel:
-    """Load a HF directory or a GGUF file (``None``: the embedded default model)."""
+    """Load a HF directory or a GGUF file (``None``: the embedded default model).
+
+    ``pack_weights``: on CPU, pre-pack linear weights for oneDNN (see packed_linear.py).
+    """
     path = resolve_model_path(model)
     torch_dtype = parse_dtype(dtype)
     gguf_file = find_gguf_file(path)
@@ -84,6 +89,8 @@ def load_model(
         tensors, total=total, desc=f"loading {path.name}", unit="tensor", disable=not show_progress
     )
     net = build_model(config, bar, torch_dtype, torch.device(device))
+    if pack_weights and packing_available(torch.device(device)):
+        pack_linears(net)
     logger.info(
         "loaded %s (%s, %d layers, %s)",
         path,
