@@ -19,6 +19,7 @@ import torch
 from benchmarks.common import export_hf_dir_model, measure_bandwidth
 from kvserve.engine.llm import LLM
 from kvserve.generation import generate
+from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.packed_linear import dense_state_dict
 from kvserve.reference import DenseCacheDecoder, NoCacheDecoder
 from kvserve.sampling import SamplingParams
@@ -83,7 +84,7 @@ def main() -> None:
     weight_bytes = sum(
         t.nbytes for k, t in dense_state_dict(model).items() if k != "model.embed_tokens.weight"
     )
-    kv_row_bytes = cfg.kv_elements_per_token * model.dtype.itemsize
+    kv_row_bytes = KVCacheSpec.for_model(cfg, model.dtype).bytes_per_token
     avg_ctx = args.prompt_len + args.new_tokens / 2
     step_bytes = weight_bytes + kv_row_bytes * avg_ctx
 

@@ -206,3 +206,17 @@ def test_seeded_sampling_is_reproducible_in_a_batch(session: ModelSession) -> No
     torch.manual_seed(0)  # the global RNG does not influence seeded requests
     assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == alone.token_ids
     assert_no_leaks(llm)
+
+
+def test_kv_sizes_are_single_sourced(session: ModelSession) -> None:
+    llm = make_llm(session, kv_cache_memory="1MiB", num_kv_blocks=None)
+    engine = llm.engine
+    spec = engine.spec
+    cfg = session.config
+    assert (
+        spec.bytes_per_token
+        == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    )
+    assert engine.storage.num_blocks == (1 << 20) // spec.bytes_per_block
+    assert engine.storage.nbytes == engine.storage.num_blocks * spec.bytes_per_block
+    assert engine.stats().num_blocks == engine.storage.num_blocks

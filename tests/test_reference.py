@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.generation import GenerationResult, generate
+from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
 from kvserve.reference import DenseCacheDecoder, NoCacheDecoder, full_logits
@@ -114,7 +115,10 @@ def test_counters(greedy_pair, prompt_ids: list[int], smol: ModelSession) -> Non
     expected = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * max_len * 4
     assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) == (30, 3, 64)
     assert fast_dec.cache_bytes == expected
-    assert fast_dec.cache_bytes == cfg.kv_elements_per_token * max_len * 4
+    # the planner's single source of bytes per token agrees with what the decoder allocated
+    assert (
+        fast_dec.cache_bytes == KVCacheSpec.for_model(cfg, torch.float32).bytes_per_token * max_len
+    )
     assert fast_dec.used_cache_bytes == expected * (p + n - 1) // max_len
 
 

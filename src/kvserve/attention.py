@@ -41,21 +41,24 @@ def causal_attention(
     t, num_heads, head_dim = q.shape
     num_kv_heads, s, _ = k.shape
     group = num_heads // num_kv_heads
+    # SDPA gets 4-D inputs: on CPU only those take the fused flash kernel (3-D ones fall back
+    # to the math path, measured 3x slower for a 512-token prefill)
+    k4, v4 = k[None], v[None]  # (1, kv_heads, S, head_dim)
     if t == 1:
-        qg = q.view(num_kv_heads, group, head_dim)  # (kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
+        qg = q.view(1, num_kv_heads, group, head_dim)  # (1, kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(qg, k4, v4, scale=scale)
         return out.reshape(1, num_heads, head_dim)
-    qh = q.transpose(0, 1)  # (heads, T, head_dim)
+    qh = q.transpose(0, 1)[None]  # (1, heads, T, head_dim)
     offset = s - t
     if offset == 0:
         out = F.scaled_dot_product_attention(
-            qh, k, v, is_causal=True, scale=scale, enable_gqa=group > 1
+            qh, k4, v4, is_causal=True, scale=scale, enable_gqa=group > 1
         )
     else:
         # mask[i, j] = key j is visible to query i = j <= offset + i
         rows = torch.arange(t, device=q.device)[:, None] + offset
         mask = torch.arange(s, device=q.device)[None, :] <= rows  # (T, S)
         out = F.scaled_dot_product_attention(
-            qh, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1
+            qh, k4, v4, attn_mask=mask, scale=scale, enable_gqa=group > 1
         )
-    return out.transpose(0, 1)  # (T, heads, head_dim)
+    return out[0].transpose(0, 1)  # (T, heads, head_dim)

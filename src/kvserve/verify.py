@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from kvserve.kv.spec import KVCacheSpec
 from kvserve.sampling import SamplingParams
 from kvserve.session import ModelSession, generate_once
 
@@ -72,10 +73,8 @@ def verify(session: ModelSession, prompt: str, max_tokens: int) -> VerifyReport:
         float((a - b).abs().max())
         for a, b in zip(slow.step_logits[:compared], fast.step_logits[:compared], strict=True)
     )
-    cfg = session.config
-    cache_bytes = (
-        cfg.kv_elements_per_token * (len(prompt_ids) + max_tokens) * session.model.dtype.itemsize
-    )
+    spec = KVCacheSpec.for_model(session.config, session.model.dtype)
+    cache_bytes = spec.bytes_per_token * (len(prompt_ids) + max_tokens)
     return VerifyReport(
         prompt_tokens=len(prompt_ids),
         generated_tokens=len(fast.token_ids),

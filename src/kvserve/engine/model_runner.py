@@ -69,8 +69,12 @@ class ModelRunner:
             self.storage.copy_blocks(list(src), list(dst))
         if not out.scheduled:
             return {}
-        # decodes first (stable: keeps admission order inside each group)
-        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # decodes first, shortest context first: the attention backend batches decodes in
+        # groups of similar length, so little of each group is padding
+        order = sorted(
+            out.scheduled,
+            key=lambda s: (s.num_new_tokens != 1, s.num_computed_tokens + s.num_new_tokens),
+        )
         input_ids, positions, md = self.build_metadata(order, requests)
         hidden = self.model(input_ids, positions, PagedAttention(self.storage, md))
         rows = [i for i, s in enumerate(order) if s.samples]

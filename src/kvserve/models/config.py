@@ -99,11 +99,6 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    @property
-    def kv_elements_per_token(self) -> int:
-        """K and V elements one token holds over all layers: 2 x layers x KV heads x head_dim."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
