@@ -220,3 +220,16 @@ def test_kv_sizes_are_single_sourced(session: ModelSession) -> None:
     assert engine.storage.num_blocks == (1 << 20) // spec.bytes_per_block
     assert engine.storage.nbytes == engine.storage.num_blocks * spec.bytes_per_block
     assert engine.stats().num_blocks == engine.storage.num_blocks
+
+
+def test_shared_prefix_admitted_together_is_computed_once(session: ModelSession) -> None:
+    # four requests with one 12-token system prompt, all submitted before the first step:
+    # the followers wait for the leader's prefix blocks instead of computing them again
+    system = random_token_ids(12, seed=31)
+    prompts = [system + random_token_ids(3, seed=40 + i) for i in range(4)]
+    llm = make_llm(session)
+    outs = llm.generate(prompts, greedy(4), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 12, 12, 12]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference_tokens(session, prompt, 4)
+    assert_no_leaks(llm)

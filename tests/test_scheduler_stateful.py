@@ -271,14 +271,14 @@ def test_preemption_and_recompute():
     sched = make_scheduler(num_blocks=4, max_num_seqs=2)
     model = FakeModel(sched)
     a = Request("a", [0, 1, 2, 0, 1, 2], SamplingParams(max_tokens=6, ignore_eos=True))
-    b = Request("b", [0, 1, 2, 0, 2, 2], SamplingParams(max_tokens=6, ignore_eos=True))
+    # b shares no block with a (a shared one would defer b until a's prefix is cached)
+    b = Request("b", [3, 1, 2, 0, 2, 2], SamplingParams(max_tokens=6, ignore_eos=True))
     c = Request("c", [1, 1], SamplingParams(max_tokens=2, ignore_eos=True))  # waits: max_num_seqs
     for r in (a, b, c):
         sched.add_request(r)
     tokens = itertools.cycle([1, 2])
     out = run_step(sched, model, tokens)
     assert [s.request_id for s in out.scheduled] == ["a", "b"]
-    # b hits nothing (a's block 0 is only registered after the step ran)
     assert sched.kv.block_ids("a") == [0, 1] and sched.kv.block_ids("b") == [2, 3]
     check_scheduler_state(sched, model)
 

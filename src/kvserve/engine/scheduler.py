@@ -121,14 +121,20 @@ class Scheduler:
 
         if not out.preempted:
             now = time.monotonic()
+            pending = self._pending_prefix_hashes()
+            deferred: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
+                req = self.waiting.popleft()
                 computed, num_hit = self.kv.get_computed_blocks(req)
+                if self._next_block_pending(req, num_hit, pending):
+                    deferred.append(req)  # its prefix is being computed: wait and hit it
+                    continue
                 n = min(req.num_tokens - num_hit, budget)
                 if self.kv.allocate_slots(req, n, computed) is None:
-                    break  # no room now; it stays first in line
-                self.waiting.popleft()
+                    self.waiting.appendleft(req)  # no room now; it stays first in line
+                    break
                 self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+                pending.update(self._uncomputed_prompt_hashes(req, num_hit))
                 req.num_computed_tokens = num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
@@ -138,6 +144,7 @@ class Scheduler:
                 self.running.append(req)
                 new_tokens[req.request_id] = n
                 budget -= n
+            self.waiting.extendleft(reversed(deferred))  # back to the front, in order
 
         for req in self.running:
             n = new_tokens.get(req.request_id)
@@ -152,6 +159,28 @@ class Scheduler:
                     )
                 )
         return out
+
+    # -- in-batch prefix sharing -------------------------------------------------------------
+    # Requests admitted together cannot hit each other's blocks: blocks enter the prefix cache
+    # only once computed. A waiting request whose next uncached block is being computed right
+    # now by a running request (a shared system prompt) is deferred a step or a few, then hits
+    # instead of computing the same prefix again (SGLang's in-batch prefix check).
+    def _uncomputed_prompt_hashes(self, req: Request, num_computed: int) -> list[bytes]:
+        full = req.num_prompt_tokens // self.kv.block_size
+        return req.block_hashes[num_computed // self.kv.block_size : full]
+
+    def _pending_prefix_hashes(self) -> set[bytes]:
+        if not self.kv.enable_prefix_caching:
+            return set()
+        pending: set[bytes] = set()
+        for req in self.running:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                pending.update(self._uncomputed_prompt_hashes(req, req.num_computed_tokens))
+        return pending
+
+    def _next_block_pending(self, req: Request, num_hit: int, pending: set[bytes]) -> bool:
+        idx = num_hit // self.kv.block_size
+        return bool(pending) and idx < len(req.block_hashes) and req.block_hashes[idx] in pending
 
     def _try_allocate(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         cow = self.kv.cow_blocks_needed(req)
