@@ -32,8 +32,15 @@ def workload(
     return prompts
 
 
-def run(session: ModelSession, prompts, new_tokens: int, caching: bool, max_num_seqs: int) -> dict:
-    llm = LLM(session=session, enable_prefix_caching=caching, max_num_seqs=max_num_seqs)
+def run(
+    session: ModelSession, prompts, new_tokens: int, caching: bool, max_num_seqs: int, policy: str
+) -> dict:
+    llm = LLM(
+        session=session,
+        enable_prefix_caching=caching,
+        max_num_seqs=max_num_seqs,
+        scheduling_policy=policy,
+    )
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -65,14 +72,15 @@ def main() -> None:
     prompts = workload(
         args.groups, args.questions, args.prefix_len, args.question_len, session.config.vocab_size
     )
-    on = run(session, prompts, args.new_tokens, True, args.max_num_seqs)
-    off = run(session, prompts, args.new_tokens, False, args.max_num_seqs)
+    on = run(session, prompts, args.new_tokens, True, args.max_num_seqs, "fcfs")
+    lpm = run(session, prompts, args.new_tokens, True, args.max_num_seqs, "lpm")
+    off = run(session, prompts, args.new_tokens, False, args.max_num_seqs, "fcfs")
     print(
         f"shared-prefix: model={session.path.name} dtype={args.dtype} threads={args.threads} "
         f"{args.groups} groups x {args.questions} questions, prefix {args.prefix_len} + "
         f"{args.question_len} tokens, {args.new_tokens} new, torch={torch.__version__}"
     )
-    for name, r in (("prefix cache on", on), ("prefix cache off", off)):
+    for name, r in (("cache on, fcfs", on), ("cache on, lpm", lpm), ("prefix cache off", off)):
         print(
             f"{name:<17} median TTFT {r['ttft']:7.2f} s   {r['tput']:7.1f} output tok/s   "
             f"cached prompt tokens {r['cached']:>6}   hit rate {r['hit_rate']:.1%}"

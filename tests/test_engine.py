@@ -233,3 +233,19 @@ def test_shared_prefix_admitted_together_is_computed_once(session: ModelSession)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == reference_tokens(session, prompt, 4)
     assert_no_leaks(llm)
+
+
+def test_lpm_policy_serves_prefix_hits_first(session: ModelSession) -> None:
+    system = random_token_ids(16, seed=51)
+    llm = make_llm(session, scheduling_policy="lpm", max_num_seqs=1)
+    llm.generate([system + [5]], greedy(2), use_tqdm=False)  # caches the system prompt
+    engine = llm.engine
+    cold = engine.add_request(random_token_ids(9, seed=52), greedy(2))
+    warm = engine.add_request(system + [6], greedy(2))
+    engine.step()  # one seat: lpm admits the later request with the 16-token hit
+    assert warm.status.value == "running" and cold.status.value == "waiting"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert warm.num_cached_tokens == 16 and cold.num_cached_tokens == 0
+    assert warm.output_token_ids == reference_tokens(session, system + [6], 2)
+    assert_no_leaks(llm)

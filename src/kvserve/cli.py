@@ -98,6 +98,7 @@ def _llm(args: argparse.Namespace, session: ModelSession) -> LLM:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
     )
 
 

@@ -37,8 +37,16 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens per step (decodes + prefill chunks)
     max_model_len: int | None = None  # None: the model's context length
+    # "fcfs": admit in arrival order (vLLM). "lpm": longest cached prefix first (SGLang), ties
+    # in arrival order; preempted requests always go first. lpm serves prefix hits early at
+    # the price of fairness (a request with no hit can wait behind many hits).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}"
+            )
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)

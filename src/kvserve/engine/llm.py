@@ -36,6 +36,7 @@ class LLM:
         max_num_seqs: int = _SCHED.max_num_seqs,
         max_num_batched_tokens: int = _SCHED.max_num_batched_tokens,
         max_model_len: int | None = None,
+        scheduling_policy: str = _SCHED.scheduling_policy,
         session: ModelSession | None = None,
         show_progress: bool = False,
     ) -> None:
@@ -46,7 +47,9 @@ class LLM:
             num_blocks=num_kv_blocks,
             enable_prefix_caching=enable_prefix_caching,
         )
-        sched = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+        sched = SchedulerConfig(
+            max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy
+        )
         self.engine = LLMEngine.from_session(self.session, cache, sched)
 
     def generate(

@@ -121,6 +121,8 @@ class Scheduler:
 
         if not out.preempted:
             now = time.monotonic()
+            if self.config.scheduling_policy == "lpm" and self.kv.enable_prefix_caching:
+                self._order_longest_prefix_first()
             pending = self._pending_prefix_hashes()
             deferred: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -181,6 +183,13 @@ class Scheduler:
     def _next_block_pending(self, req: Request, num_hit: int, pending: set[bytes]) -> bool:
         idx = num_hit // self.kv.block_size
         return bool(pending) and idx < len(req.block_hashes) and req.block_hashes[idx] in pending
+
+    def _order_longest_prefix_first(self) -> None:
+        preempted = [r for r in self.waiting if r.status == RequestStatus.PREEMPTED]
+        fresh = [r for r in self.waiting if r.status != RequestStatus.PREEMPTED]
+        hits = {r.request_id: self.kv.get_computed_blocks(r)[1] for r in fresh}
+        fresh.sort(key=lambda r: -hits[r.request_id])  # stable: ties keep arrival order
+        self.waiting = deque(preempted + fresh)
 
     def _try_allocate(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         cow = self.kv.cow_blocks_needed(req)
