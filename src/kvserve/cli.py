@@ -61,6 +61,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-model-len", type=int, default=None, help="default: the model's context length"
     )
+    p.add_argument(
+        "--scheduling-policy",
+        default=_SCHED.scheduling_policy,
+        choices=["fcfs", "lpm"],
+        help="admission order: fcfs (arrival) or lpm (longest cached prefix first)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
