@@ -33,12 +33,18 @@ def workload(
 
 
 def run(
-    session: ModelSession, prompts, new_tokens: int, caching: bool, max_num_seqs: int, policy: str
+    session: ModelSession,
+    prompts,
+    new_tokens: int,
+    caching: bool,
+    args: argparse.Namespace,
+    policy: str,
 ) -> dict:
     llm = LLM(
         session=session,
         enable_prefix_caching=caching,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=policy,
     )
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -65,6 +71,7 @@ def main() -> None:
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,9 +79,9 @@ def main() -> None:
     prompts = workload(
         args.groups, args.questions, args.prefix_len, args.question_len, session.config.vocab_size
     )
-    on = run(session, prompts, args.new_tokens, True, args.max_num_seqs, "fcfs")
-    lpm = run(session, prompts, args.new_tokens, True, args.max_num_seqs, "lpm")
-    off = run(session, prompts, args.new_tokens, False, args.max_num_seqs, "fcfs")
+    on = run(session, prompts, args.new_tokens, True, args, "fcfs")
+    lpm = run(session, prompts, args.new_tokens, True, args, "lpm")
+    off = run(session, prompts, args.new_tokens, False, args, "fcfs")
     print(
         f"shared-prefix: model={session.path.name} dtype={args.dtype} threads={args.threads} "
         f"{args.groups} groups x {args.questions} questions, prefix {args.prefix_len} + "
