@@ -4,10 +4,14 @@ Everything here is small (vocab 128, hidden 64, 2 layers) so a checkpoint is bui
 loaded in well under a second. Weights are re-randomised after construction (norm weights and
 biases too, which HF initialises to ones/zeros) with a scale that keeps attention peaked, so
 a wrong rotary layout, a swapped q/k norm or a dropped bias shows up in the logits.
+
+Also helpers shared by test files split in two: the KVCacheManager steps of
+test_kv_manager.py / test_kv_fork.py and the CLI runners of test_cli.py / test_cli_no_model.py.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from kvserve import cli
+from kvserve.engine.request import Request
+from kvserve.kv.manager import KVCacheManager
+from kvserve.sampling import SamplingParams
 
 TINY_SIZES: dict[str, Any] = {
     "vocab_size": 128,
@@ -259,3 +268,87 @@ def hf_checkpoint(tmp_path: Path) -> Callable[..., tuple[Path, PreTrainedModel]]
         return make_hf_checkpoint(tmp_path, model_type, **kwargs)
 
     return make
+
+
+# --------------------------------------------------------------------------------------------
+# KVCacheManager on a small pool (10 blocks of 4 tokens): test_kv_manager.py, test_kv_fork.py
+
+NUM_BLOCKS = 10
+BS = 4
+
+
+def make_request(rid: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(tokens),
+        sampling_params=SamplingParams(),
+        cache_salt=cache_salt,
+    )
+
+
+@pytest.fixture
+def kv() -> KVCacheManager:
+    return KVCacheManager(NUM_BLOCKS, BS)
+
+
+def free_ids(kv: KVCacheManager) -> list[int]:
+    return [b.block_id for b in kv.pool.free_queue]
+
+
+def refs(kv: KVCacheManager, ids: list[int]) -> list[int]:
+    return [kv.pool.blocks[i].ref_cnt for i in ids]
+
+
+def prefill(kv: KVCacheManager, req: Request) -> tuple[list[int], int]:
+    """Schedule the whole prompt at once, as the scheduler does on admission, run the 'step'
+    and register full blocks. Returns (ids of the newly allocated blocks, tokens hit)."""
+    computed, num_hit = kv.get_computed_blocks(req)
+    new = kv.allocate_slots(req, req.num_tokens - num_hit, computed)
+    assert new is not None
+    kv.record_prefix_lookup(req.num_tokens, num_hit)
+    kv.check_integrity()
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_blocks(req, req.num_computed_tokens)
+    kv.check_integrity()
+    return [b.block_id for b in new], num_hit
+
+
+def decode(kv: KVCacheManager, req: Request, token: int) -> list[int]:
+    """Append one token and make room for it (the token sampled last step gets computed)."""
+    req.all_token_ids.append(token)
+    new = kv.allocate_slots(req, 1)
+    assert new is not None
+    req.num_computed_tokens += 1
+    kv.cache_blocks(req, req.num_computed_tokens)
+    kv.check_integrity()
+    return [b.block_id for b in new]
+
+
+def finish(kv: KVCacheManager, req: Request) -> None:
+    kv.free(req)
+    kv.check_integrity()
+
+
+def assert_no_leaks(kv: KVCacheManager) -> None:
+    kv.check_integrity()
+    assert kv.req_to_blocks == {}
+    assert kv.num_cached_blocks == {}
+    assert kv.pool.num_free_blocks == NUM_BLOCKS
+    assert all(b.ref_cnt == 0 for b in kv.pool.blocks)
+    assert sorted(free_ids(kv)) == list(range(NUM_BLOCKS))
+    for h, block in kv.pool.cached.items():
+        assert block.block_hash == h
+
+
+# --------------------------------------------------------------------------------------------
+# The command line: test_cli.py, test_cli_no_model.py
+
+
+def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}

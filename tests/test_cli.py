@@ -1,23 +1,23 @@
-"""The command line, in process (``kvserve.cli.main`` with capsys) and once as a real process.
+"""The command line with the default model, in process (``kvserve.cli.main`` with capsys) and
+once as a real process (``python -m kvserve.cli``).
 
 Loading the default model costs seconds, so in-process calls share one loaded session:
 ``ModelSession.open`` is wrapped to load each (model, dtype, device) once for this module.
-A missing model path still goes through the real loader, and the subprocess tests run the
-real entry points end to end.
+Usage errors rejected before any model is loaded, missing model paths and the console script
+are tested in test_cli_no_model.py.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from conftest import _env, run_cli
 
 from kvserve import cli
 from kvserve.session import ModelSession
@@ -75,12 +75,6 @@ def shared_session() -> Iterator[dict]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelSession, "open", open_once)
         yield loads
-
-
-def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
-    code = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def run_json(capsys: pytest.CaptureFixture, *argv: str) -> dict:
@@ -342,47 +336,9 @@ def test_bad_prompt_ids_exit_2(capsys, ids: str, named: str) -> None:
     assert out == ""
 
 
-def test_flags_are_checked_before_the_model_is_loaded(capsys, tmp_path: Path) -> None:
-    missing = str(tmp_path / "never-loaded")
-    code, _, err = run_cli(
-        capsys, "generate", "--model", missing, "--prompt", "hi", "--temperature", "-1"
-    )
-    assert code == 2 and "temperature" in err and missing not in err
-
-
 def test_verify_bad_max_tokens_exit_2(capsys) -> None:
     code, _, err = run_cli(capsys, "verify", "--max-tokens", "0")
     assert code == 2 and "max_tokens" in err
-
-
-def test_missing_model_path_exit_2(capsys, tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-model"
-    code, out, err = run_cli(capsys, "generate", "--model", str(missing), "--prompt", "hi")
-    assert code == 2 and out == ""
-    assert "does not exist" in err and str(missing) in err
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    code, _, err = run_cli(capsys, "verify", "--model", str(empty))
-    assert code == 2 and "config.json" in err
-
-
-@pytest.mark.parametrize(
-    "argv",
-    [
-        [],
-        ["generate"],  # needs --prompt or --prompt-ids
-        ["generate", "--prompt", "a", "--prompt-ids", "1"],
-        ["generate", "--prompt", "a", "--temperature", "warm"],
-        ["generate", "--prompt", "a", "--dtype", "int8"],
-        ["serve"],
-    ],
-    ids=["no-command", "no-prompt", "both-prompts", "non-number", "bad-dtype", "unknown-command"],
-)
-def test_argparse_errors_exit_2(capsys, argv: list[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        cli.main(argv)
-    assert info.value.code == 2
-    assert "usage:" in capsys.readouterr().err
 
 
 def test_in_process_calls_loaded_the_model_once(shared_session: dict) -> None:
@@ -390,11 +346,7 @@ def test_in_process_calls_loaded_the_model_once(shared_session: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# real processes: the module entry point and the console script
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+# a real process: the module entry point
 
 
 @pytest.mark.slow  # a fresh interpreter loads the model
@@ -426,30 +378,3 @@ def test_python_m_kvserve_cli_generate(greedy_64_cached: dict) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(out) == BASE_KEYS
     assert out["token_ids"] == greedy_64_cached["token_ids"][:4]
-
-
-def test_console_script_entry_point() -> None:
-    script = Path(sys.executable).with_name("kvserve")
-    if not script.exists():
-        pytest.skip("kvserve console script not installed next to this interpreter")
-    proc = subprocess.run(
-        [str(script), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    for command in ("generate", "chat", "verify"):
-        assert command in proc.stdout
-    proc = subprocess.run(
-        [str(script), "generate", "--prompt-ids", "1", "--model", "/nonexistent/m"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-        check=False,
-    )
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
-    assert proc.stdout == ""
