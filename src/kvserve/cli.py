@@ -174,6 +174,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         r = generate_once(session, prompt_ids, params, no_cache=True, on_text=on_text)
         token_ids, text, finish, cached = r.token_ids, r.text, r.finish_reason, 0
         projections, ttft, total = r.kv_projections, r.ttft_s, r.ttft_s + r.decode_s
+        logprobs = r.logprobs
     else:
         out: RequestOutput | None = None
         for out in _llm(args, session).stream(prompt_ids, params):
@@ -187,7 +188,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             out.num_cached_tokens,
         )
         projections, ttft, total = out.kv_projections, out.ttft_s, out.ttft_s + out.decode_time_s
-        r = out
+        logprobs = out.logprobs
     if args.json:
         result = {
             "token_ids": token_ids,
@@ -200,8 +201,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "ttft_s": ttft,
             "tokens_per_s": len(token_ids) / total if total > 0 else 0.0,
         }
-        if r.logprobs is not None:
-            result["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in r.logprobs]
+        if logprobs is not None:
+            result["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in logprobs]
         print(json.dumps(result))
     else:
         decode_rate = (len(token_ids) - 1) / (total - ttft) if total > ttft else 0.0

@@ -9,8 +9,10 @@ and describes each request by its ``seq_len`` (tokens cached after this step, th
 included) and its block table. ``PagedAttention`` writes this step's K/V at ``slot_mapping``
 and then attends:
 
-- decodes, all at once: gather each request's blocks into (B, S, kv_heads, head_dim), mask
-  keys past its length, one SDPA call with the query heads folded into their KV groups;
+- decodes, in groups of DECODE_GROUP requests of similar length (the runner sorts them):
+  gather each request's blocks into (B, S, kv_heads, head_dim), mask keys past its length,
+  one SDPA call per group with the query heads folded into their KV groups (small groups
+  measured ~3x faster than one call over 64 requests on CPU, and pad less);
 - prefill chunks, one request at a time: gather its blocks, causal attention whose offset
   is the number of tokens already cached (new tokens see the cached prefix plus earlier new
   tokens).
