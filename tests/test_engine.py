@@ -249,3 +249,48 @@ def test_lpm_policy_serves_prefix_hits_first(session: ModelSession) -> None:
     assert warm.num_cached_tokens == 16 and cold.num_cached_tokens == 0
     assert warm.output_token_ids == reference_tokens(session, system + [6], 2)
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("prompt_len", [10, 12])  # a shared partial last block, and none
+def test_n_samples_fork_the_prompt_and_match_separate_seeds(
+    session: ModelSession, prompt_len: int
+) -> None:
+    prompt = random_token_ids(prompt_len, seed=61)
+    llm = make_llm(session)
+    engine = llm.engine
+    copies: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        copies.extend(out.block_copies)
+        return out
+
+    engine.scheduler.schedule = spy
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=10, n=3, ignore_eos=True)
+    outs = llm.generate([prompt], params, use_tqdm=False)
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert [o.parent_request_id for o in outs] == [None, outs[0].request_id, outs[0].request_id]
+    # the siblings never recomputed the prompt: only their own generated tokens
+    assert [o.kv_projections for o in outs] == [prompt_len + 7, 7, 7]
+    # copy-on-write of the shared partial block happens exactly when there is one
+    assert len(copies) == (2 if prompt_len % BLOCK else 0)
+    engine.scheduler.schedule = schedule
+    for i, out in enumerate(outs):  # sample i == a lone request seeded seed + i
+        alone = SamplingParams(max_tokens=8, temperature=1.0, seed=10 + i, ignore_eos=True)
+        assert out.token_ids == llm.generate([prompt], alone, use_tqdm=False)[0].token_ids
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+    assert_no_leaks(llm)
+
+
+def test_abort_n_samples_aborts_all(session: ModelSession) -> None:
+    llm = make_llm(session)
+    engine = llm.engine
+    req = engine.add_request(
+        random_token_ids(9, seed=62), SamplingParams(max_tokens=30, n=4, seed=1)
+    )
+    engine.step()
+    engine.step()
+    assert len(engine.scheduler.running) == 4
+    assert engine.abort_request(req.request_id)
+    assert_no_leaks(llm)

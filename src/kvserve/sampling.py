@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_N = 64  # samples per prompt
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -27,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return the top-K logprobs of every generated token
+    n: int = 1  # samples of one prompt; they share the prompt's KV blocks (copy-on-write)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,6 +55,7 @@ class SamplingParams:
             _check_int("stop_token_ids[]", t, 0, None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, 20)
+        _check_int("n", self.n, 1, MAX_N)
 
     @property
     def greedy(self) -> bool:

@@ -150,12 +150,40 @@ class LLMEngine:
         self.prompt_tokens_total += len(ids)
         return req
 
+    def _fork(self, parent: Request) -> list[Request]:
+        params = parent.sampling_params
+        children = []
+        for i in range(1, params.n):
+            child = Request(
+                request_id=f"{parent.request_id}-{i}",
+                prompt_token_ids=parent.prompt_token_ids,
+                sampling_params=params,
+                eos_token_ids=parent.eos_token_ids,
+                cache_salt=parent.cache_salt,
+                arrival_time=parent.arrival_time,
+                all_token_ids=list(parent.all_token_ids),
+                # sample i draws from seed + i: reproducible, and the same as a lone request
+                # with that seed
+                generator=make_generator(
+                    None if params.seed is None else params.seed + i, self.runner.device
+                ),
+                detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+                parent_id=parent.request_id,
+                sample_index=i,
+                forked=True,
+            )
+            self.scheduler.add_fork(parent, child)
+            children.append(child)
+        return children
+
     def abort_request(self, request_id: str) -> bool:
         """Abort in any state; frees every block it held. False if unknown or finished."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        siblings = [r for r in self.scheduler.requests.values() if r.parent_id == request_id]
+        for r in [req, *siblings]:  # aborting an n > 1 request aborts all its samples
+            self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -174,6 +202,14 @@ class LLMEngine:
         self.model_time_s += t2 - t1
         now = time.monotonic()
         outputs = []
+        for request_id, row in list(logits.items()):
+            req = requests[request_id]
+            if req.sampling_params.n > 1 and not req.forked:
+                # the prompt is in the cache: its n - 1 siblings share it and sample from
+                # the same logits, each with its own generator
+                req.forked = True
+                for child in self._fork(req):
+                    logits[child.request_id] = row
         for request_id, row in logits.items():
             req = requests[request_id]
             token = sample(row, req.sampling_params, req.generator)

@@ -59,7 +59,8 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Run all prompts to completion; outputs in the order of the prompts.
+        """Run all prompts to completion; outputs in the order of the prompts, and for a
+        prompt with ``n > 1`` its n samples in a row (``index`` 0 .. n-1).
 
         Every prompt is checked before any is queued: one that can never fit raises
         ValueError and nothing runs.
@@ -77,10 +78,10 @@ class LLM:
         encoded = [engine.encode(p) for p in prompts]
         for ids, p in zip(encoded, params, strict=True):
             engine.scheduler.check_fits(len(ids), p.max_tokens)
-        order = [
-            engine.add_request(ids, p, cache_salt=cache_salt).request_id
-            for ids, p in zip(encoded, params, strict=True)
-        ]
+        order = []
+        for ids, p in zip(encoded, params, strict=True):
+            rid = engine.add_request(ids, p, cache_salt=cache_salt).request_id
+            order += [rid] + [f"{rid}-{i}" for i in range(1, p.n)]  # ids the engine forks
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="requests", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
@@ -101,6 +102,10 @@ class LLM:
         Stopping the iteration early aborts the request and frees its blocks.
         """
         engine = self.engine
+        if sampling_params is not None and sampling_params.n > 1:
+            raise ValueError(
+                f"stream() follows one sample; got n={sampling_params.n} (use generate)"
+            )
         req = engine.add_request(prompt, sampling_params, cache_salt=cache_salt)
         try:
             while True:

@@ -68,4 +68,6 @@ def make_output(req: Request, new_token_ids: list[int]) -> RequestOutput:
         ),
         num_preemptions=req.num_preemptions,
         kv_projections=req.kv_projections,
+        parent_request_id=req.parent_id,
+        index=req.sample_index,
     )

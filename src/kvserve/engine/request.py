@@ -54,6 +54,9 @@ class Request:
     text: str = ""
     num_emitted_chars: int = 0  # text already handed out as deltas
     logprobs: list[dict[int, float]] | None = None
+    parent_id: str | None = None  # n > 1: the request this sample was forked from
+    sample_index: int = 0  # n > 1: which of the n samples this is
+    forked: bool = False  # n > 1: the parent has made its n - 1 siblings
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -100,3 +103,5 @@ class RequestOutput:
     decode_time_s: float | None  # first token -> finished
     num_preemptions: int = 0
     kv_projections: int = 0
+    parent_request_id: str | None = None  # n > 1: the id the caller gave (samples share it)
+    index: int = 0  # n > 1: which sample of that request

@@ -83,6 +83,18 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    def add_fork(self, parent: Request, child: Request) -> None:
+        """A sibling sample of a running parent: shares its blocks, runs from the next step."""
+        assert parent.status == RequestStatus.RUNNING and child.request_id not in self.requests
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.first_scheduled_time = parent.first_scheduled_time
+        child.block_hashes = list(parent.block_hashes)
+        child.status = RequestStatus.RUNNING
+        self.kv.fork(parent, child)
+        self.requests[child.request_id] = child
+        self.running.append(child)
+
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Mark finished and release everything it holds (any state)."""
         assert status.finished
