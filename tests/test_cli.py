@@ -167,49 +167,13 @@ def test_generate_no_cache_gives_the_same_tokens(capsys, greedy_64_cached: dict)
 
 
 def test_generate_prompt_ids(capsys) -> None:
-    out = run_json(
-        capsys,
-        "generate",
-        "--json",
-        "--prompt-ids",
-        "1, 2,3",
-        "--max-tokens",
-        "4",
-        *SMALL_CACHE,
-        "--temperature",
-        "0.8",
-        "--seed",
-        "5",
-        "--top-k",
-        "40",
-        "--top-p",
-        "0.9",
-        "--min-p",
-        "0.05",
-    )
+    sampling = ["--max-tokens", "4", *SMALL_CACHE, "--temperature", "0.8", "--seed", "5"]
+    sampling += ["--top-k", "40", "--top-p", "0.9", "--min-p", "0.05"]
+    out = run_json(capsys, "generate", "--json", "--prompt-ids", "1, 2,3", *sampling)
     assert set(out) == BASE_KEYS
     check_common_fields(out, 4)
     assert out["prompt_tokens"] == 3
-    again = run_json(
-        capsys,
-        "generate",
-        "--json",
-        "--prompt-ids",
-        "1,2,3",
-        "--max-tokens",
-        "4",
-        *SMALL_CACHE,
-        "--temperature",
-        "0.8",
-        "--seed",
-        "5",
-        "--top-k",
-        "40",
-        "--top-p",
-        "0.9",
-        "--min-p",
-        "0.05",
-    )
+    again = run_json(capsys, "generate", "--json", "--prompt-ids", "1,2,3", *sampling)
     assert again["token_ids"] == out["token_ids"]  # seeded
 
 

@@ -6,6 +6,7 @@ id, a stop string (the text is cut before it), ``max_tokens``, or a full cache.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,8 +14,10 @@ from typing import Protocol
 
 import torch
 
+from kvserve.engine.output import append_token, make_output
+from kvserve.engine.request import Request
 from kvserve.reference import DecodeCounters
-from kvserve.sampling import SamplingParams, make_generator, sample, top_logprobs
+from kvserve.sampling import SamplingParams, make_generator, sample
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -56,12 +59,6 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-def find_stop(text: str, stops: Sequence[str]) -> int:
-    """Index where the earliest stop string starts in text, or -1."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
-
-
 def generate(
     decoder: Decoder,
     prompt_ids: Sequence[int],
@@ -80,62 +77,49 @@ def generate(
     """
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-    stop_ids = set(params.stop_token_ids)
-    if not params.ignore_eos:
-        stop_ids.update(eos_token_ids)
-    generator = make_generator(params.seed)
-    detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-    holdback = max((len(s) for s in params.stop), default=1) - 1
-    tokens: list[int] = []
-    logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+    # the same Request record and stop rules as the engine (engine/output.py), so the
+    # reference and the engine cannot disagree on when or how a request finishes
+    req = Request(
+        request_id="reference",
+        prompt_token_ids=list(prompt_ids),
+        sampling_params=params,
+        eos_token_ids=tuple(eos_token_ids),
+        generator=make_generator(params.seed),
+        detokenizer=IncrementalDetokenizer(tokenizer) if tokenizer is not None else None,
+    )
+    limit = max_len if max_len is not None else sys.maxsize
     kept: list[torch.Tensor] = []
-    text, emitted = "", 0
-    finish = "length"
 
     start = time.perf_counter()
     logits = decoder.prefill(prompt_ids)
     reused = decoder.counters.reused_tokens
-    first_token_at = start
+    first_token_at: float | None = None
     while True:
         if keep_logits:
             kept.append(logits.detach().clone())
-        token = sample(logits, params, generator)
-        if not tokens:
+        token = sample(logits, params, req.generator)
+        if first_token_at is None:
             first_token_at = time.perf_counter()
-        tokens.append(token)
-        if logprobs is not None:
-            logprobs.append(top_logprobs(logits, params.logprobs))
-        if detok is not None:
-            text += detok.add(token)
-        cut = find_stop(text, params.stop) if params.stop else -1
-        if cut >= 0:
-            text, finish = text[:cut], "stop"
+        status = append_token(req, token, logits, limit)
+        if status is not None:
+            req.status = status
+        if on_text is not None:
+            delta = make_output(req, [token]).new_text  # holds back a possible stop string
+            if delta:
+                on_text(delta)
+        if status is not None:
             break
-        if token in stop_ids:
-            finish = "stop"
-            break
-        if len(tokens) >= params.max_tokens:
-            break
-        if max_len is not None and len(prompt_ids) + len(tokens) >= max_len:
-            break
-        if on_text is not None and len(text) - holdback > emitted:
-            on_text(text[emitted : len(text) - holdback])
-            emitted = len(text) - holdback
         logits = decoder.decode(token)
-    if detok is not None and finish == "length":
-        text += detok.flush()
-    if on_text is not None and len(text) > emitted:
-        on_text(text[emitted:])
     end = time.perf_counter()
     return GenerationResult(
         prompt_tokens=len(prompt_ids),
-        token_ids=tokens,
-        text=text,
-        finish_reason=finish,
+        token_ids=req.output_token_ids,
+        text=req.text,
+        finish_reason=req.status.value,
         reused_tokens=reused,
         kv_projections=decoder.counters.kv_projections,
         ttft_s=first_token_at - start,
         decode_s=end - first_token_at,
-        logprobs=logprobs,
+        logprobs=req.logprobs,
         step_logits=kept,
     )

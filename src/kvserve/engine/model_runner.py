@@ -43,9 +43,9 @@ class ModelRunner:
             starts.append(len(ids))
             seq_lens.append(hi)
         width = max(len(s.block_ids) for s in order)
-        tables = torch.zeros((len(order), width), dtype=torch.long)
-        for i, s in enumerate(order):
-            tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.long)
+        # one tensor from a padded list: no per-request tensor on the step's hot path
+        padded = [s.block_ids + [0] * (width - len(s.block_ids)) for s in order]
+        tables = torch.tensor(padded, dtype=torch.long)
         dev = self.device
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

@@ -3,11 +3,18 @@ snapshot it as a RequestOutput (with the text delta a stream may show)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
-from kvserve.generation import find_stop
 from kvserve.sampling import top_logprobs
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int:
+    """Index where the earliest stop string starts in text, or -1."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
 
 
 def append_token(
