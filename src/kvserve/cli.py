@@ -1,4 +1,4 @@
-"""kvserve command line: generate | chat | verify.
+"""kvserve command line: generate | chat | serve | verify.
 
 The CLI owns the terminal: it parses flags, configures logging, prints. Everything it runs
 lives in the library. ``generate`` and ``chat`` run on the paged engine; ``generate
@@ -13,16 +13,19 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.llm import LLM
 from kvserve.engine.request import RequestOutput
+from kvserve.kv.spec import parse_memory
 from kvserve.models.loader import DTYPES
 from kvserve.sampling import SamplingParams
+from kvserve.server.config import ServerConfig
 from kvserve.session import ModelSession, generate_once
 from kvserve.verify import verify
 
 DEFAULT_MAX_TOKENS = 128  # the CLI's default; SamplingParams keeps vLLM's 16 for the API
 _SP, _CACHE, _SCHED = SamplingParams(), CacheConfig(), SchedulerConfig()
+_SERVER = ServerConfig()
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -94,6 +97,22 @@ def _sampling(args: argparse.Namespace, logprobs: int | None = None) -> Sampling
     )
 
 
+def _cache_config(args: argparse.Namespace) -> CacheConfig:
+    memory = args.kv_cache_memory
+    return CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory=None if memory is None else parse_memory(memory),
+        num_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.scheduling_policy
+    )
+
+
 def _llm(args: argparse.Namespace, session: ModelSession) -> LLM:
     return LLM(
         session=session,
@@ -143,6 +162,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(c)
     _add_sampling_args(c)
     c.add_argument("--system", default=None, help="system prompt")
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_model_args(s)
+    _add_engine_args(s)
+    s.add_argument("--host", default=_SERVER.host)
+    s.add_argument("--port", type=int, default=_SERVER.port)
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint"
+    )
+    s.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: file name)"
+    )
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=_SERVER.max_queued_requests,
+        help="prompts waiting to start; beyond it requests get 503 with Retry-After",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_SERVER.max_body_bytes,
+        help="larger request bodies get 413",
+    )
+    s.add_argument(
+        "--log-interval",
+        type=float,
+        default=_SERVER.log_interval_s,
+        help="seconds between the running/waiting/KV usage log lines",
+    )
 
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
     _add_model_args(v)
@@ -253,6 +302,29 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.server.launch import run_server  # FastAPI/uvicorn only when serving
+
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        cache=_cache_config(args),
+        scheduler=_scheduler_config(args),
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_queued_requests=args.max_queued_requests,
+        max_body_bytes=args.max_body_bytes,
+        log_interval_s=args.log_interval,
+    )
+    run_server(engine, server)
+    return 0
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     session = ModelSession.open(args.model, args.dtype, args.device, show_progress=not args.json)
     report = verify(session, args.prompt, args.max_tokens)
@@ -267,10 +339,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        # the server logs every finished request and a periodic load line at INFO
+        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    commands = {"generate": _cmd_generate, "chat": _cmd_chat, "verify": _cmd_verify}
+    commands = {
+        "generate": _cmd_generate,
+        "chat": _cmd_chat,
+        "serve": _cmd_serve,
+        "verify": _cmd_verify,
+    }
     try:
         return commands[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as e:

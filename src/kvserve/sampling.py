@@ -123,10 +123,14 @@ def sample(
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> dict[int, float]:
-    """The k most likely tokens of the model's own distribution (before any filter)."""
-    if k == 0:
+def top_logprobs(logits: torch.Tensor, k: int, token: int | None = None) -> dict[int, float]:
+    """The k most likely tokens of the model's own distribution (before any filter), best
+    first; then, as vLLM, the sampled ``token`` when it is not among them (k + 1 entries)."""
+    if k == 0 and token is None:
         return {}
     logp = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logp, k)
-    return {int(i): float(v) for i, v in zip(ids, values, strict=True)}
+    out = {int(i): float(v) for i, v in zip(ids, values, strict=True)}
+    if token is not None and token not in out:
+        out[token] = float(logp[token])
+    return out

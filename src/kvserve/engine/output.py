@@ -24,7 +24,7 @@ def append_token(
     params = req.sampling_params
     req.all_token_ids.append(token)
     if req.logprobs is not None:
-        req.logprobs.append(top_logprobs(logits, params.logprobs))
+        req.logprobs.append(top_logprobs(logits, params.logprobs, token))
     if req.detokenizer is not None:
         before = len(req.text)
         req.text += req.detokenizer.add(token)
@@ -63,7 +63,8 @@ def make_output(req: Request, new_token_ids: list[int]) -> RequestOutput:
         finished=finished,
         finish_reason=req.status.value if finished else None,
         num_cached_tokens=max(req.num_cached_tokens, 0),
-        logprobs=req.logprobs,
+        # a copy: the snapshot may be read on another thread while the request goes on
+        logprobs=None if req.logprobs is None else list(req.logprobs),
         queue_time_s=None
         if req.first_scheduled_time is None
         else req.first_scheduled_time - arrival,

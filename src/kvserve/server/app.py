@@ -1,0 +1,127 @@
+"""The FastAPI application: routes over a ``ServerState``; no torch here.
+
+The app exists before the model has loaded: until ``state.served`` is set, /health and the
+model routes answer 503 with Retry-After, so a supervisor can start the process and poll.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvserve.server.chat import chat_prompt, create_chat_completion
+from kvserve.server.completions import create_completion
+from kvserve.server.config import ServerConfig
+from kvserve.server.errors import APIError, bad_request, install_error_handlers
+from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvserve.server.serving import Served
+
+
+@dataclass(slots=True)
+class ServerState:
+    config: ServerConfig
+    model_name: str
+    metrics: ServerMetrics
+    served: Served | None = None  # None while loading
+    started: int = field(default_factory=lambda: int(time.time()))
+
+
+_ERRORS = {
+    code: {"model": ErrorResponse, "description": desc}
+    for code, desc in [
+        (400, "invalid request"),
+        (401, "missing or wrong API key"),
+        (404, "unknown model"),
+        (413, "body too large"),
+        (503, "loading, queue full or engine stopped"),
+    ]
+}
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="kvserve", version="0.1.0", responses=_ERRORS)
+    app.state.kvserve = state
+    install_error_handlers(app)
+    # added last = outermost: the key is checked before the body is read
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    if state.config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+
+    def served() -> Served:
+        if state.served is None:
+            raise APIError(
+                503, "the model is still loading", code="loading", headers={"Retry-After": "5"}
+            )
+        return state.served
+
+    @app.get("/health")
+    async def health() -> Response:
+        s = state.served
+        if s is None:
+            return served_error("the model is still loading")
+        if not s.engine.alive:
+            return served_error(f"the engine loop has stopped: {s.engine.error!r}")
+        return Response(status_code=200)
+
+    def served_error(message: str) -> Response:
+        return APIError(503, message, code="unavailable", headers={"Retry-After": "5"}).response()
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        s = served()
+        card = ModelCard(
+            id=s.model_name, created=state.started, root=s.model_name, max_model_len=s.max_model_len
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(served(), body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(served(), body, request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        s = served()
+        s.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = chat_prompt(s, body.messages, body.add_generation_prompt)
+        else:
+            ids = s.require_tokenizer().encode(body.prompt, body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        s = served()
+        s.check_model(body.model)
+        s.check_token_ids(body.tokens, "tokens")
+        return DetokenizeResponse(prompt=s.require_tokenizer().decode(body.tokens))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": "0.1.0"})
+
+    return app

@@ -1,0 +1,310 @@
+"""AsyncEngine: one LLMEngine driven by a background thread, many asyncio callers.
+
+``LLMEngine`` is single-threaded, so only the loop thread ever touches it. Callers (the HTTP
+handlers, on the asyncio event loop) send commands -- add, abort -- through a thread-safe
+queue and wake the loop; the loop thread hands each request's events to that request's own
+``asyncio.Queue`` with ``call_soon_threadsafe``. A request group (one HTTP request: several
+prompts, each with n samples) shares one queue and ends when every sample has finished.
+
+If the loop dies, every open stream gets an ``ErrorEvent``, new submissions raise
+``EngineDeadError`` and ``alive`` turns False (the server's /health then answers 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from kvserve.engine.engine import EngineStats, LLMEngine
+from kvserve.engine.request import Request, RequestOutput
+from kvserve.sampling import SamplingParams
+from kvserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(Exception):
+    """The bounded waiting queue is full; retry later."""
+
+
+class EngineDeadError(Exception):
+    """The engine loop has stopped; nothing more will run."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputEvent:
+    prompt_index: int  # which prompt of the group
+    output: RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorEvent:
+    message: str
+    status: int  # the HTTP status it would have had before streaming began
+
+
+Event = OutputEvent | ErrorEvent
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSpec:
+    """One prompt of a group, already tokenized and checked."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Group:
+    """Loop-thread bookkeeping of one submitted group."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Event]
+    request_ids: list[str]
+    expected: int  # samples still to finish
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_at: dict[str, float] = field(default_factory=dict)  # per sample
+
+    def put(self, event: Event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop has closed (server shutting down)
+            pass
+
+
+class RequestStream:
+    """What a caller holds: iterate it for events; ``abort()`` if it stops listening early."""
+
+    def __init__(self, owner: AsyncEngine, request_ids: list[str], expected: int) -> None:
+        self._owner = owner
+        self.request_ids = request_ids
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._remaining = expected
+        self.done = False
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while not self.done:
+            event = await self._queue.get()
+            if isinstance(event, ErrorEvent):
+                self.done = True
+            elif event.output.finished:
+                self._remaining -= 1
+                self.done = self._remaining == 0
+            yield event
+
+    def abort(self) -> None:
+        """Abort every prompt of the group that has not finished (idempotent)."""
+        if not self.done:
+            self.done = True
+            self._owner.abort(self.request_ids)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: ServerMetrics | None = None,
+        max_queued_requests: int = 256,
+        log_interval_s: float = 10.0,
+    ) -> None:
+        if max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.log_interval_s = log_interval_s
+        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _num_queued
+        self._num_queued = 0  # submitted prompts not yet scheduled for the first time
+        self._ids = itertools.count()
+        self._groups: dict[str, _Group] = {}  # loop thread only: engine request id -> group
+        self._not_started: dict[str, Request] = {}  # loop thread only
+        self._stats: EngineStats = engine.stats()  # the loop's latest snapshot
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+
+    # -- caller side (asyncio event loop) ----------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stop.is_set()
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def submit(self, prompts: Sequence[PromptSpec], cache_salt: str | None = None) -> RequestStream:
+        """Queue a group of prompts; raises QueueFullError / EngineDeadError (nothing queued)."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
+        with self._lock:
+            if self._num_queued + len(prompts) > self.max_queued_requests:
+                raise QueueFullError(
+                    f"{self._num_queued} requests are already waiting (the limit is "
+                    f"{self.max_queued_requests}); retry later"
+                )
+            self._num_queued += len(prompts)
+        base = f"cmpl-{next(self._ids)}-{time.time_ns():x}"
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        stream = RequestStream(self, ids, sum(p.params.n for p in prompts))
+        group = _Group(asyncio.get_running_loop(), stream._queue, ids, stream._remaining)
+        self._commands.put(("add", group, list(prompts), cache_salt))
+        self._wake.set()
+        return stream
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._commands.put(("abort", list(request_ids)))
+        self._wake.set()
+
+    # -- loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        last_log = time.monotonic()
+        busy_since_log = False
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if engine.has_unfinished_requests():
+                    busy_since_log = True
+                    self._deliver(engine.step())
+                    self._note_started()
+                else:
+                    self._wake.wait(timeout=min(self.log_interval_s, 1.0))
+                    self._wake.clear()
+                self._stats = engine.stats()
+                now = time.monotonic()
+                if busy_since_log and now - last_log >= self.log_interval_s:
+                    self._log_stats()
+                    last_log, busy_since_log = now, engine.has_unfinished_requests()
+        except BaseException as e:  # noqa: BLE001 - whatever killed the loop goes to every stream
+            self.error = e
+            logger.exception("the engine loop died")
+            for group in {id(g): g for g in self._groups.values()}.values():
+                group.put(ErrorEvent(f"the engine loop died: {e!r}", 500))
+            self._groups.clear()
+
+    def _drain_commands(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, group, prompts, cache_salt = command
+                self._add(group, prompts, cache_salt)
+            else:
+                for rid in command[1]:
+                    if self._groups.pop(rid, None) is not None:
+                        self._forget_not_started(rid)
+                        engine.abort_request(rid)
+                        logger.info("request %s aborted", rid)
+
+    def _add(self, group: _Group, prompts: list[PromptSpec], cache_salt: str | None) -> None:
+        added = []
+        try:
+            for rid, p in zip(group.request_ids, prompts, strict=True):
+                req = self.engine.add_request(p.prompt_token_ids, p.params, rid, cache_salt)
+                self._groups[rid] = group
+                self._not_started[rid] = req
+                added.append(rid)
+        except ValueError as e:  # checked by the handler already; a last line of defence
+            for rid in added:
+                self._groups.pop(rid, None)
+                self._forget_not_started(rid)
+                self.engine.abort_request(rid)
+            with self._lock:
+                self._num_queued -= len(prompts) - len(added)
+            group.put(ErrorEvent(str(e), 400))
+
+    def _forget_not_started(self, rid: str) -> None:
+        if self._not_started.pop(rid, None) is not None:
+            with self._lock:
+                self._num_queued -= 1
+
+    def _note_started(self) -> None:
+        started = [rid for rid, r in self._not_started.items() if r.first_scheduled_time]
+        for rid in started:
+            self._forget_not_started(rid)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.parent_request_id or out.request_id
+            group = self._groups.get(rid)
+            if group is None:
+                continue  # aborted by its caller in the meantime
+            self._observe(group, out, now)
+            group.put(OutputEvent(group.request_ids.index(rid), out))
+            if out.finished:
+                group.expected -= 1
+                self._log_finished(out)
+                if group.expected == 0:
+                    for r in group.request_ids:
+                        self._groups.pop(r, None)
+                    if self.metrics is not None:
+                        self.metrics.e2e_latency.observe(now - group.arrival)
+
+    def _observe(self, group: _Group, out: RequestOutput, now: float) -> None:
+        if self.metrics is None or not out.new_token_ids:
+            return
+        prev = group.last_token_at.get(out.request_id)
+        if prev is None:
+            if out.ttft_s is not None:
+                self.metrics.ttft.observe(out.ttft_s)
+        else:
+            self.metrics.inter_token_latency.observe(now - prev)
+        group.last_token_at[out.request_id] = now
+        if out.finished:
+            self.metrics.request_success.labels(finished_reason=out.finish_reason).inc()
+
+    def _log_finished(self, out: RequestOutput) -> None:
+        def ms(s: float | None) -> str:
+            return "-" if s is None else f"{s * 1e3:.0f} ms"
+
+        logger.info(
+            "request %s finished (%s): prompt %d tokens (%d cached), generated %d; "
+            "queue %s, TTFT %s, decode %s",
+            out.request_id,
+            out.finish_reason,
+            len(out.prompt_token_ids),
+            out.num_cached_tokens,
+            len(out.token_ids),
+            ms(out.queue_time_s),
+            ms(out.ttft_s),
+            ms(out.decode_time_s),
+        )
+
+    def _log_stats(self) -> None:
+        s = self._stats
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        logger.info(
+            "running %d, waiting %d, KV cache usage %.1f%% (%d/%d blocks), prefix cache hit "
+            "rate %.1f%%, %d preemptions",
+            s.num_running,
+            s.num_waiting,
+            100 * s.kv_cache_usage,
+            s.num_used_blocks,
+            s.num_blocks,
+            100 * hit_rate,
+            s.num_preemptions,
+        )

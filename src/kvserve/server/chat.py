@@ -1,0 +1,172 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n samples.
+
+Streaming follows OpenAI: per choice, a first chunk with ``delta.role``, then content deltas,
+then a chunk with ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
+empty choices and the usage.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+
+from kvserve.engine.request import RequestOutput
+from kvserve.server.async_engine import PromptSpec, RequestStream
+from kvserve.server.errors import APIError, bad_request
+from kvserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+from kvserve.server.serving import (
+    SSE_DONE,
+    ClientDisconnected,
+    Served,
+    cached_tokens,
+    collect,
+    sse,
+    stream_events,
+    usage,
+)
+
+
+def chat_prompt(
+    served: Served, messages: list[ChatMessage], add_generation_prompt: bool = True
+) -> list[int]:
+    """Prompt ids for a conversation, through the model's own chat template."""
+    tok = served.require_tokenizer()
+    if not tok.has_chat_template:
+        raise bad_request("this model has no chat template: use /v1/completions", "messages")
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        return tok.apply_chat_template(conversation, add_generation_prompt)
+    except TemplateError as e:  # e.g. a template that insists on alternating roles
+        raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
+
+
+def _logprobs(served: Served, out: RequestOutput, k: int, start: int) -> ChatLogprobs:
+    content = []
+    for token, step in zip(out.token_ids[start:], (out.logprobs or [])[start:], strict=True):
+        text = served.token_text(token)
+        tops = [
+            TopLogprob(token=(t := served.token_text(i)), logprob=v, bytes=list(t.encode()))
+            for i, v in list(step.items())[:k]
+        ]
+        content.append(
+            TokenLogprob(
+                token=text, logprob=step[token], bytes=list(text.encode()), top_logprobs=tops
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+async def create_chat_completion(
+    served: Served, req: ChatCompletionRequest, request: HTTPRequest
+) -> Response:
+    served.check_model(req.model)
+    if req.tools:
+        raise bad_request("tools are not supported by kvserve", "tools")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    ids = chat_prompt(served, req.messages, req.add_generation_prompt)
+    requested, param = req.max_completion_tokens, "max_completion_tokens"
+    if requested is None:
+        requested, param = req.max_tokens, "max_tokens"
+    max_tokens = served.resolve_max_tokens(requested, len(ids), None, param)
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = served.sampling_params(req, max_tokens, k)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    stream = served.submit([PromptSpec(ids, params)], req.cache_salt)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        body = _stream(served, req, stream, rid, created, len(ids), include_usage)
+        return StreamingResponse(body, media_type="text/event-stream")
+    try:
+        finals = await collect(stream, request)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = [
+        ChatChoice(
+            index=j,
+            message=AssistantMessage(content=out.text),
+            logprobs=None if k is None else _logprobs(served, out, k, 0),
+            finish_reason=out.finish_reason,
+        )
+        for (_, j), out in sorted(finals.items())
+    ]
+    outs = list(finals.values())
+    body = ChatCompletionResponse(
+        id=rid,
+        created=created,
+        model=served.model_name,
+        choices=choices,
+        usage=usage([len(ids)], outs, cached_tokens(outs)),
+    )
+    return JSONResponse(body.model_dump())
+
+
+async def _stream(
+    served: Served,
+    req: ChatCompletionRequest,
+    stream: RequestStream,
+    rid: str,
+    created: int,
+    prompt_len: int,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    k = (req.top_logprobs or 0) if req.logprobs else None
+
+    def chunk(choice: ChatChunkChoice) -> str:
+        c = ChatCompletionChunk(id=rid, created=created, model=served.model_name, choices=[choice])
+        return sse(c.model_dump_json(exclude={"usage"}))
+
+    finals: list[RequestOutput] = []
+    cached = 0
+    emitted: dict[int, int] = {}  # sample -> tokens already sent
+    try:
+        # the role first, for every choice, before any content (as OpenAI does)
+        for j in range(req.n):
+            yield chunk(ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content="")))
+        async for event in stream_events(stream):
+            out = event.output
+            if out.index == 0:
+                cached = out.num_cached_tokens
+            start = emitted.get(out.index, 0)
+            emitted[out.index] = len(out.token_ids)
+            logprobs = None if k is None else _logprobs(served, out, k, start)
+            if out.new_text or (logprobs is not None and logprobs.content):
+                delta = DeltaMessage(content=out.new_text)
+                yield chunk(ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs))
+            if out.finished:
+                finals.append(out)
+                yield chunk(
+                    ChatChunkChoice(
+                        index=out.index, delta=DeltaMessage(), finish_reason=out.finish_reason
+                    )
+                )
+        if include_usage:
+            final = ChatCompletionChunk(
+                id=rid,
+                created=created,
+                model=served.model_name,
+                choices=[],
+                usage=usage([prompt_len], finals, cached),
+            )
+            yield sse(final.model_dump_json())
+    except APIError as e:
+        yield e.sse()
+    yield SSE_DONE

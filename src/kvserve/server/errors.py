@@ -1,0 +1,104 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every refusal is an ``APIError`` with its HTTP status. FastAPI's own 422 for a body that fails
+validation, and Starlette's 404/405, are rewritten into this shape (validation is a 400, as
+OpenAI answers it). Types follow OpenAI: invalid_request_error, authentication_error,
+server_error; codes are short strings (context_length_exceeded, model_not_found, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {401: "authentication_error", 404: "invalid_request_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    @property
+    def type(self) -> str:
+        if self.status >= 500:
+            return "server_error"
+        return _TYPES.get(self.status, "invalid_request_error")
+
+    def body(self) -> ErrorResponse:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), self.status, headers=self.headers)
+
+    def sse(self) -> str:
+        """The in-band form, once a stream has begun."""
+        return f"data: {self.body().model_dump_json()}\n\n"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # union members show up in loc as type names ("str", "list[int]"); keep the field path
+    path = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
+    param = ".".join(path) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    if first.get("type") == "missing":
+        return f"missing required parameter: {param}", param
+    got = first.get("input")
+    try:
+        shown = json.dumps(got)[:100]
+    except (TypeError, ValueError):
+        shown = repr(got)[:100]
+    more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    return f"{param or 'body'}: {first.get('msg')}, got {shown}{more}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return bad_request(message, param, "invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), None, code, exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return APIError(500, f"internal error: {exc!r}", code="internal_error").response()

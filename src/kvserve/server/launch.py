@@ -1,0 +1,93 @@
+"""Start the server: bind first, load the model in the background, then serve.
+
+/health answers 503 until the model is loaded and the engine loop runs. A model that fails to
+load stops the server with that error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from kvserve.config import EngineConfig
+from kvserve.default_model import default_model_path
+from kvserve.engine.engine import LLMEngine
+from kvserve.server.app import ServerState, build_app
+from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.config import ServerConfig
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.serving import Served
+from kvserve.session import ModelSession
+
+logger = logging.getLogger(__name__)
+
+
+def default_model_name(model: str | None) -> str:
+    """The checkpoint's file stem (GGUF) or directory name (HF), as clients will name it."""
+    path = Path(model) if model is not None else default_model_path()
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
+def load_served(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    model_name: str,
+    metrics: ServerMetrics,
+) -> Served:
+    """Load the model, build the engine and start its loop thread."""
+    session = ModelSession.open(engine_config.model, engine_config.dtype, engine_config.device)
+    engine = LLMEngine.from_session(session, engine_config.cache, engine_config.scheduler)
+    loop = AsyncEngine(
+        engine, metrics, server_config.max_queued_requests, server_config.log_interval_s
+    )
+    loop.start()
+    pool_tokens = engine.kv_manager.pool.num_blocks * engine.kv_manager.block_size
+    return Served(
+        engine=loop,
+        tokenizer=session.tokenizer,
+        model_name=model_name,
+        max_model_len=engine.max_model_len,
+        vocab_size=session.config.vocab_size,
+        max_tokens_in_pool=pool_tokens,
+    )
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    name = server_config.served_model_name or default_model_name(engine_config.model)
+    # late binding: the scrape reads whatever engine the state holds by then
+    metrics = ServerMetrics(
+        name, lambda: None if state.served is None else state.served.engine.stats()
+    )
+    state = ServerState(server_config, name, metrics)
+    app = build_app(state)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_config=None,  # the CLI configured logging; uvicorn's loggers propagate to it
+            timeout_graceful_shutdown=5,
+        )
+    )
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            state.served = load_served(engine_config, server_config, name, metrics)
+            logger.info("serving %s at http://%s:%d", name, server_config.host, server_config.port)
+        except BaseException as e:  # noqa: BLE001 - reported by run_server after the shutdown
+            failure.append(e)
+            logger.error("could not load the model: %s", e)
+            server.should_exit = True
+
+    threading.Thread(target=load, name="kvserve-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if state.served is not None:
+            state.served.engine.shutdown()
+    if failure:
+        raise failure[0]
