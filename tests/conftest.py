@@ -352,3 +352,29 @@ def run_cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
 
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+# --------------------------------------------------------------------------------------------
+# The HTTP server: test_server*.py (helpers in server_helpers.py)
+
+SERVER_API_KEY = "test-key-123"
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from server_helpers import build_chat_checkpoint
+
+    return build_chat_checkpoint(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.fixture(scope="session")
+def server(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One `kvserve serve` process with an API key, shared by the server tests."""
+    from server_helpers import start_server
+
+    proc = start_server(
+        chat_checkpoint, tmp_path_factory.mktemp("logs"), "--log-interval", "1",
+        api_key=SERVER_API_KEY,
+    )  # fmt: skip
+    yield proc
+    proc.stop()
