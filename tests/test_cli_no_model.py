@@ -42,9 +42,18 @@ def test_missing_model_path_exit_2(capsys, tmp_path: Path) -> None:
         ["generate", "--prompt", "a", "--prompt-ids", "1"],
         ["generate", "--prompt", "a", "--temperature", "warm"],
         ["generate", "--prompt", "a", "--dtype", "int8"],
-        ["serve"],
+        ["frobnicate"],
+        ["serve", "--port", "eighty"],
     ],
-    ids=["no-command", "no-prompt", "both-prompts", "non-number", "bad-dtype", "unknown-command"],
+    ids=[
+        "no-command",
+        "no-prompt",
+        "both-prompts",
+        "non-number",
+        "bad-dtype",
+        "unknown-command",
+        "serve-bad-port",
+    ],
 )
 def test_argparse_errors_exit_2(capsys, argv: list[str]) -> None:
     with pytest.raises(SystemExit) as info:

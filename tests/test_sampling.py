@@ -101,6 +101,23 @@ def test_greedy_is_argmax(seed: int) -> None:
     assert sample(logits, params, make_generator(seed)) == int(torch.argmax(logits))
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-9, 9.9e-6])
+def test_temperatures_too_small_to_divide_by_are_greedy(temperature: float) -> None:
+    # logits / 1e-300 overflows to inf and softmax to nan: found by fuzzing the server
+    params = SamplingParams(temperature=temperature, seed=1)
+    assert params.greedy
+    logits = random_logits(0)
+    assert sample(logits, params, make_generator(1)) == int(torch.argmax(logits))
+
+
+def test_degenerate_logits_fall_back_to_argmax() -> None:
+    logits = torch.full((50,), float("-inf"))
+    logits[7] = float("nan")
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0))
+    assert torch.isfinite(probs).all() and float(probs.sum()) == 1.0
+    assert sample(logits, SamplingParams(temperature=1.0), make_generator(0)) == int(probs.argmax())
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -263,6 +280,18 @@ def test_top_logprobs_match_log_softmax(k: int) -> None:
     assert next(iter(got)) == int(torch.argmax(logits))
 
 
+def test_top_logprobs_add_the_sampled_token_last_when_not_among_the_top() -> None:
+    logits = random_logits(5, vocab=500)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    worst = int(torch.argmin(logits))
+    got = top_logprobs(logits, 3, worst)
+    assert len(got) == 4 and list(got)[-1] == worst
+    assert got[worst] == pytest.approx(float(logp[worst]), abs=1e-5)
+    best = int(torch.argmax(logits))
+    assert list(top_logprobs(logits, 3, best)) == list(top_logprobs(logits, 3))
+    assert top_logprobs(logits, 0, worst) == {worst: pytest.approx(float(logp[worst]), abs=1e-5)}
+
+
 def test_top_logprobs_zero_and_bfloat16() -> None:
     logits = random_logits(4)
     assert top_logprobs(logits, 0) == {}
@@ -319,8 +348,8 @@ def test_generate_logprobs_and_kept_logits() -> None:
     r = generate(_TableDecoder(), [1, 2], params, keep_logits=True)
     assert r.logprobs is not None and len(r.logprobs) == len(r.token_ids) == 6
     assert len(r.step_logits) == 6
-    for step, logits in zip(r.logprobs, r.step_logits, strict=True):
-        assert step == top_logprobs(logits, 4)
+    for token, step, logits in zip(r.token_ids, r.logprobs, r.step_logits, strict=True):
+        assert step == top_logprobs(logits, 4, token)
     assert r.kv_projections == 2 + 5
     assert generate(_TableDecoder(), [1], SamplingParams(max_tokens=2)).logprobs is None
 

@@ -1,7 +1,7 @@
 """SamplingParams (validated) and sampling: greedy, temperature, top-k, top-p, min-p, seed.
 
 Filters apply in vLLM's order: temperature, then top-k, then top-p, then min-p. Greedy
-(temperature 0) is argmax and ignores the filters. A seed makes a request's draws
+(temperature below 1e-5, as vLLM) is argmax and ignores the filters. A seed makes a request's draws
 reproducible: each request owns a ``torch.Generator`` seeded once.
 """
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_N = 64  # samples per prompt
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +60,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # as vLLM: below 1e-5, logits / temperature overflows to inf and softmax to nan
+        return self.temperature < GREEDY_BELOW
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
@@ -110,7 +112,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+    total = probs.sum()
+    if not torch.isfinite(total) or total <= 0:  # degenerate logits (all -inf, nan): argmax
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+    return probs / total
 
 
 def sample(

@@ -41,6 +41,15 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
 
 
+def new_state(config: ServerConfig, model_name: str) -> ServerState:
+    """A state with no model yet; its metrics read whatever engine it holds at scrape time."""
+    metrics = ServerMetrics(
+        model_name, lambda: None if state.served is None else state.served.engine.stats()
+    )
+    state = ServerState(config, model_name, metrics)
+    return state
+
+
 _ERRORS = {
     code: {"model": ErrorResponse, "description": desc}
     for code, desc in [

@@ -53,7 +53,7 @@ def chat_prompt(
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         return tok.apply_chat_template(conversation, add_generation_prompt)
-    except TemplateError as e:  # e.g. a template that insists on alternating roles
+    except (TemplateError, ValueError) as e:  # e.g. a template that insists on alternating roles
         raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
 
 

@@ -15,7 +15,7 @@ import uvicorn
 from kvserve.config import EngineConfig
 from kvserve.default_model import default_model_path
 from kvserve.engine.engine import LLMEngine
-from kvserve.server.app import ServerState, build_app
+from kvserve.server.app import build_app, new_state
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.config import ServerConfig
 from kvserve.server.metrics import ServerMetrics
@@ -57,11 +57,7 @@ def load_served(
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     name = server_config.served_model_name or default_model_name(engine_config.model)
-    # late binding: the scrape reads whatever engine the state holds by then
-    metrics = ServerMetrics(
-        name, lambda: None if state.served is None else state.served.engine.stats()
-    )
-    state = ServerState(server_config, name, metrics)
+    state = new_state(server_config, name)
     app = build_app(state)
     server = uvicorn.Server(
         uvicorn.Config(
@@ -76,7 +72,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
 
     def load() -> None:
         try:
-            state.served = load_served(engine_config, server_config, name, metrics)
+            state.served = load_served(engine_config, server_config, name, state.metrics)
             logger.info("serving %s at http://%s:%d", name, server_config.host, server_config.port)
         except BaseException as e:  # noqa: BLE001 - reported by run_server after the shutdown
             failure.append(e)
