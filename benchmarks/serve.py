@@ -117,25 +117,24 @@ def main() -> None:
         argv = [args.llama_python, "-m", "llama_cpp.server", "--model", str(gguf)]
         argv += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
         argv += ["--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port)]
+        # by default a new request interrupts the one streaming; a server must finish each
+        argv += ["--interrupt_requests", "False"]
         url = f"http://127.0.0.1:{port}"
         servers["llama.cpp"] = (url, start("llama.cpp", argv, url, log_dir))
     else:
         print("no --llama-python: measuring kvserve alone", file=sys.stderr)
 
-    def count(text: str) -> int:
-        return len(tok.encode(text, add_special_tokens=False))
-
     summaries: dict[tuple[float, str], list[dict[str, float]]] = {}
     try:
         for run in range(args.runs):
-            for rate in rates:
-                prompts = make_prompts(tok, args.num_requests, seed=1000 * run + int(rate * 7))
+            for i, rate in enumerate(rates):
+                prompts = make_prompts(tok, args.num_requests, seed=1000 * run + i)
                 order = list(servers) if run % 2 == 0 else list(reversed(servers))
                 for name in order:
                     url = servers[name][0]
                     bodies = [payload(name, text, n_out) for text, _, n_out in prompts]
                     result = asyncio.run(
-                        run_poisson(url, bodies, rate, args.max_concurrency, count, seed=run)
+                        run_poisson(url, bodies, rate, args.max_concurrency, seed=run)
                     )
                     s = result.summary(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
                     summaries.setdefault((rate, name), []).append(s)

@@ -4,8 +4,9 @@ measured the way `vllm bench serve` defines its numbers.
 - TTFT: request sent -> first streamed chunk that carries text.
 - ITL: the gaps between successive chunks that carry text.
 - TPOT: (latency - TTFT) / (output tokens - 1), per request.
-- output tokens: the generated text re-tokenized (as vllm bench does when a server sends no
-  usage), so servers that pack several tokens in a chunk are counted the same way.
+- output tokens: EOS is suppressed, so a request that ends with finish_reason "length" made
+  exactly max_tokens tokens (re-tokenizing the text, as vllm bench does without usage, merges
+  tokens: 58 counted for 70 generated); any other ending counts as a failed request.
 - goodput: requests per second that met every SLO (TTFT and TPOT).
 """
 
@@ -16,7 +17,6 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -72,14 +72,12 @@ class RunResult:
         }
 
 
-async def _one(
-    client: httpx.AsyncClient, url: str, payload: dict, count_tokens: Callable[[str], int]
-) -> RequestResult:
+async def _one(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
     start = time.perf_counter()
     ttft: float | None = None
     last = start
     itl: list[float] = []
-    text: list[str] = []
+    finish: str | None = None
     try:
         async with client.stream("POST", url, json=payload) as r:
             if r.status_code != 200:
@@ -93,7 +91,11 @@ async def _one(
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return RequestResult(False, error=str(chunk["error"]))
-                delta = "".join(c.get("text") or "" for c in chunk.get("choices") or [])
+                choices = chunk.get("choices") or []
+                finish = next(
+                    (c["finish_reason"] for c in choices if c.get("finish_reason")), finish
+                )
+                delta = "".join(c.get("text") or "" for c in choices)
                 if not delta:
                     continue
                 now = time.perf_counter()
@@ -102,13 +104,14 @@ async def _one(
                 else:
                     itl.append(now - last)
                 last = now
-                text.append(delta)
     except httpx.HTTPError as e:
         return RequestResult(False, error=repr(e))
     latency = time.perf_counter() - start
     if ttft is None:
         return RequestResult(False, error="no text streamed")
-    return RequestResult(True, ttft, latency, count_tokens("".join(text)), itl)
+    if finish != "length":  # EOS is suppressed: anything else was cut short
+        return RequestResult(False, error=f"finish_reason {finish!r}, not 'length'")
+    return RequestResult(True, ttft, latency, payload["max_tokens"], itl)
 
 
 async def run_poisson(
@@ -116,7 +119,6 @@ async def run_poisson(
     payloads: list[dict],
     rate: float,
     max_concurrency: int,
-    count_tokens: Callable[[str], int],
     seed: int = 0,
 ) -> RunResult:
     """Send ``payloads`` with exponential gaps of mean 1/rate (rate inf: all at once), at most
@@ -129,7 +131,7 @@ async def run_poisson(
 
         async def gated(payload: dict) -> RequestResult:
             async with gate:
-                return await _one(client, "/v1/completions", payload, count_tokens)
+                return await _one(client, "/v1/completions", payload)
 
         tasks = []
         start = time.perf_counter()

@@ -228,3 +228,24 @@ def test_disconnect_while_waiting_for_a_non_streaming_answer(server: ServerProce
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < MAX_MODEL_LEN - 64
     assert "aborted" in server.log()
+
+
+def test_log_has_a_line_per_request_and_a_periodic_load_line(server: ServerProcess) -> None:
+    import re
+    import time
+
+    r = chat(server, "Log me", max_tokens=3, extra_body={"ignore_eos": True})
+    server.wait_idle()
+    time.sleep(1.5)  # the server runs with --log-interval 1
+    log = server.log()
+    line = next(x for x in log.splitlines() if r.id in x and "finished" in x)
+    assert re.search(
+        rf"finished \(length\): prompt {r.usage.prompt_tokens} tokens \(\d+ cached\), "
+        r"generated 3; queue \d+ ms, TTFT \d+ ms, decode \d+ ms",
+        line,
+    ), line
+    assert re.search(
+        r"running \d+, waiting \d+, KV cache usage [\d.]+% \(\d+/\d+ blocks\), prefix cache hit "
+        r"rate [\d.]+%",
+        log,
+    )

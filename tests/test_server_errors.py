@@ -204,3 +204,6 @@ def test_full_queue_is_503_and_a_queued_disconnect_frees_its_place(one_at_a_time
     assert m["vllm:kv_cache_usage_perc"] == 0.0
     ok = post(server, "/v1/completions", completion())
     assert ok.status_code == 200
+    # an empty queue takes a batch larger than the bound: it is never refused forever
+    batch = post(server, "/v1/completions", completion(prompt=["one", "two", "three"]))
+    assert batch.status_code == 200 and len(batch.json()["choices"]) == 3

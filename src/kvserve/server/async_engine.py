@@ -152,18 +152,30 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self._stats
 
-    def submit(self, prompts: Sequence[PromptSpec], cache_salt: str | None = None) -> RequestStream:
-        """Queue a group of prompts; raises QueueFullError / EngineDeadError (nothing queued)."""
+    def submit(
+        self,
+        prompts: Sequence[PromptSpec],
+        cache_salt: str | None = None,
+        group_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a group of prompts; raises QueueFullError / EngineDeadError (nothing queued).
+
+        Prompt i runs as engine request ``{group_id}-{i}`` (samples: ``{group_id}-{i}-{j}``),
+        so log lines carry the id the client got back.
+        """
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
         with self._lock:
-            if self._num_queued + len(prompts) > self.max_queued_requests:
+            # an empty queue takes any group, so a batch larger than the bound is not
+            # refused forever
+            queued = self._num_queued
+            if queued > 0 and queued + len(prompts) > self.max_queued_requests:
                 raise QueueFullError(
                     f"{self._num_queued} requests are already waiting (the limit is "
                     f"{self.max_queued_requests}); retry later"
                 )
             self._num_queued += len(prompts)
-        base = f"cmpl-{next(self._ids)}-{time.time_ns():x}"
+        base = group_id or f"group-{next(self._ids)}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         stream = RequestStream(self, ids, sum(p.params.n for p in prompts))
         group = _Group(asyncio.get_running_loop(), stream._queue, ids, stream._remaining)

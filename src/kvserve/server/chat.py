@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from kvserve.engine.request import RequestOutput
@@ -34,6 +34,7 @@ from kvserve.server.protocol import (
 from kvserve.server.serving import (
     SSE_DONE,
     ClientDisconnected,
+    EventStreamResponse,
     Served,
     cached_tokens,
     collect,
@@ -90,11 +91,11 @@ async def create_chat_completion(
     params = served.sampling_params(req, max_tokens, k)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = served.submit([PromptSpec(ids, params)], req.cache_salt)
+    stream = served.submit([PromptSpec(ids, params)], req.cache_salt, rid)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(served, req, stream, rid, created, len(ids), include_usage)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return EventStreamResponse(body, stream)
     try:
         finals = await collect(stream, request)
     except ClientDisconnected:

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.request import RequestOutput
 from kvserve.server.async_engine import PromptSpec, RequestStream
@@ -25,6 +25,7 @@ from kvserve.server.serving import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     SSE_DONE,
     ClientDisconnected,
+    EventStreamResponse,
     Served,
     cached_tokens,
     collect,
@@ -98,12 +99,12 @@ async def create_completion(
         specs.append(PromptSpec(ids, served.sampling_params(req, max_tokens, req.logprobs)))
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = served.submit(specs, req.cache_salt)
+    stream = served.submit(specs, req.cache_salt, rid)
     n = req.n
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(served, req, stream, rid, created, [len(p) for p in prompts], include_usage)
-        return StreamingResponse(body, media_type="text/event-stream")
+        return EventStreamResponse(body, stream)
     try:
         finals = await collect(stream, request)
     except ClientDisconnected:

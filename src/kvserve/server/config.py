@@ -16,7 +16,9 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # None: no key needed
     served_model_name: str | None = None  # None: the checkpoint's file or directory name
-    max_queued_requests: int = 256  # prompts waiting to start; more are refused with 503
+    # prompts waiting to start; beyond it requests are refused with 503 (an empty queue
+    # takes any request)
+    max_queued_requests: int = 256
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_interval_s: float = 10.0  # the periodic running / waiting / KV usage line
 

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.request import RequestOutput
 from kvserve.sampling import SamplingParams
@@ -84,12 +86,17 @@ class Served:
         """The request's max_tokens, refused with both numbers when it cannot fit; when not
         given, ``default`` (None: all the room left, as vLLM's chat)."""
         limit = min(self.max_model_len, self.max_tokens_in_pool)
+        what = (
+            f"this model's maximum context length is {limit} tokens"
+            if limit == self.max_model_len
+            else f"this server's KV cache holds at most {limit} tokens per request"
+        )
         if prompt_len == 0:
             raise bad_request("the prompt is empty", "prompt", "empty_prompt")
         if prompt_len >= limit:
             raise bad_request(
-                f"the prompt is {prompt_len} tokens, but this model's maximum context length "
-                f"is {limit} tokens (room is needed for at least one generated token)",
+                f"the prompt is {prompt_len} tokens, but {what} (room is needed for at least "
+                "one generated token)",
                 "messages" if param == "max_completion_tokens" else "prompt",
                 "context_length_exceeded",
             )
@@ -98,8 +105,7 @@ class Served:
             return room if default is None else min(default, room)
         if requested > room:
             raise bad_request(
-                f"this model's maximum context length is {limit} tokens, but {prompt_len + requested} "
-                f"were requested ({prompt_len} in the prompt, {requested} for the completion); "
+                f"{what}, but {prompt_len + requested} tokens were requested ({prompt_len} in the prompt, {requested} for the completion); "
                 f"lower {param} to at most {room}",
                 param,
                 "context_length_exceeded",
@@ -132,9 +138,11 @@ class Served:
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
 
     # -- running ---------------------------------------------------------------------------
-    def submit(self, prompts: Sequence[PromptSpec], cache_salt: str | None) -> RequestStream:
+    def submit(
+        self, prompts: Sequence[PromptSpec], cache_salt: str | None, request_id: str
+    ) -> RequestStream:
         try:
-            return self.engine.submit(prompts, cache_salt)
+            return self.engine.submit(prompts, cache_salt, request_id)
         except QueueFullError as e:
             raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineDeadError as e:
@@ -181,17 +189,28 @@ async def collect(
 
 async def stream_events(stream: RequestStream) -> AsyncIterator[OutputEvent]:
     """Events of a streaming request; an engine error raises APIError (sent in-band).
+    Aborting on disconnect is ``EventStreamResponse``'s job."""
+    event: Event
+    async for event in stream:
+        if isinstance(event, ErrorEvent):
+            raise APIError(event.status, event.message)
+        yield event
 
-    When the client disconnects, Starlette cancels the response task: ``finally`` aborts.
-    """
-    try:
-        event: Event
-        async for event in stream:
-            if isinstance(event, ErrorEvent):
-                raise APIError(event.status, event.message)
-            yield event
-    finally:
-        stream.abort()
+
+class EventStreamResponse(StreamingResponse):
+    """SSE over an engine stream that aborts the request however the response ends: also
+    when the client leaves before the body generator ever started (its ``finally`` would
+    then never run)."""
+
+    def __init__(self, body: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.engine_stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine_stream.abort()  # no-op once finished
 
 
 def usage(prompt_lens: Sequence[int], finals: Sequence[RequestOutput], cached: int) -> Usage:
