@@ -98,6 +98,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument(
+        "--kvserve-args", default="", help="extra `kvserve serve` flags, e.g. engine options"
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
     args = p.parse_args()
@@ -109,7 +112,7 @@ def main() -> None:
     servers: dict[str, tuple[str, subprocess.Popen]] = {}
     kv_port = free_port()
     kv_argv = [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", args.dtype]
-    kv_argv += ["--port", str(kv_port), "--log-interval", "60"]
+    kv_argv += ["--port", str(kv_port), "--log-interval", "60", *args.kvserve_args.split()]
     url = f"http://127.0.0.1:{kv_port}"
     servers["kvserve"] = (url, start("kvserve", kv_argv, url, log_dir))
     if args.llama_python:

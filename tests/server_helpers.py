@@ -79,19 +79,20 @@ class ServerProcess:
                 values[sample.name] = values.get(sample.name, 0.0) + sample.value
         return values
 
-    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
-        """Poll /metrics until nothing runs or waits and no KV block is held."""
+    def wait_for(self, name: str, value: float, timeout: float = 60.0) -> dict[str, float]:
+        """Poll /metrics until ``name`` reads ``value``; fails with the metrics and log tail."""
         deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = (
-                m["vllm:num_requests_running"] == 0
-                and m["vllm:num_requests_waiting"] == 0
-                and m["vllm:kv_cache_usage_perc"] == 0
-            )
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.05)
+        while (m := self.metrics())[name] != value:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} never became {value}: {m}\n{self.log()[-3000:]}")
+            time.sleep(0.02)
+        return m
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Poll /metrics until nothing runs or waits and no KV block is held."""
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            self.wait_for(name, 0, timeout)
+        return self.wait_for("vllm:kv_cache_usage_perc", 0, timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

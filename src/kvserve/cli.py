@@ -338,10 +338,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    serving = args.command == "serve"
     logging.basicConfig(
-        # the server logs every finished request and a periodic load line at INFO
-        level=logging.INFO if args.verbose or args.command == "serve" else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
+        # the server logs every finished request and a periodic load line at INFO, with times
+        level=logging.INFO if args.verbose or serving else logging.WARNING,
+        format=("%(asctime)s " if serving else "") + "%(levelname)s %(name)s: %(message)s",
     )
     commands = {
         "generate": _cmd_generate,

@@ -6,6 +6,7 @@ model routes answer 503 with Retry-After, so a supervisor can start the process 
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.serving import Served
+
+VERSION = importlib.metadata.version("kvserve")
 
 
 @dataclass(slots=True)
@@ -63,7 +66,7 @@ _ERRORS = {
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="kvserve", version="0.1.0", responses=_ERRORS)
+    app = FastAPI(title="kvserve", version=VERSION, responses=_ERRORS)
     app.state.kvserve = state
     install_error_handlers(app)
     # added last = outermost: the key is checked before the body is read
@@ -80,15 +83,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        s = state.served
-        if s is None:
-            return served_error("the model is still loading")
+        s = served()
         if not s.engine.alive:
-            return served_error(f"the engine loop has stopped: {s.engine.error!r}")
+            message = f"the engine loop has stopped: {s.engine.error!r}"
+            raise APIError(503, message, code="engine_dead", headers={"Retry-After": "5"})
         return Response(status_code=200)
-
-    def served_error(message: str) -> Response:
-        return APIError(503, message, code="unavailable", headers={"Retry-After": "5"}).response()
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -131,6 +130,6 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": "0.1.0"})
+        return JSONResponse({"version": VERSION})
 
     return app
