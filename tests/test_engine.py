@@ -9,6 +9,7 @@ import torch
 from conftest import make_hf_checkpoint, random_token_ids
 
 from kvserve.engine.llm import LLM
+from kvserve.engine.request import RequestStatus
 from kvserve.generation import generate
 from kvserve.reference import DenseCacheDecoder
 from kvserve.sampling import SamplingParams
@@ -293,4 +294,20 @@ def test_abort_n_samples_aborts_all(session: ModelSession) -> None:
     engine.step()
     assert len(engine.scheduler.running) == 4
     assert engine.abort_request(req.request_id)
+    assert_no_leaks(llm)
+
+
+def test_abort_n_samples_after_sample_0_finished_aborts_the_rest(session: ModelSession) -> None:
+    # sample 0 can stop early (EOS, a stop string); its siblings still run and must go too
+    llm = make_llm(session)
+    engine = llm.engine
+    req = engine.add_request(
+        random_token_ids(9, seed=63), SamplingParams(max_tokens=30, n=3, seed=1)
+    )
+    engine.step()
+    engine.step()
+    engine.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+    assert len(engine.scheduler.running) == 2
+    assert engine.abort_request(req.request_id)
+    assert not engine.has_unfinished_requests()
     assert_no_leaks(llm)

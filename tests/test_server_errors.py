@@ -94,6 +94,23 @@ def test_malformed_bodies_are_400(server) -> None:
         assert_error(r, 400)
 
 
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", b'{"prompt": "\\ud800 hi"}', "prompt"),
+        ("/v1/completions", b'{"prompt": "' + b"a " * 40 + b'", "cache_salt": "\\ud800"}', None),
+        ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udc00"]}', "stop"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', None),
+        ("/tokenize", b'{"prompt": "\\udfff"}', "prompt"),
+    ],
+)
+def test_lone_surrogates_are_400_and_the_engine_lives_on(server, path, raw, param) -> None:
+    # JSON can escape a lone surrogate; no tokenizer or prefix-cache hash can take one
+    r = server.http().post(path, content=raw, headers={"content-type": "application/json"})
+    assert_error(r, 400, param)
+    assert server.http().get("/health").status_code == 200
+
+
 def test_prompt_longer_than_the_context_names_both_numbers(server) -> None:
     ids = [100] * (MAX_MODEL_LEN + 5)
     error = assert_error(post(server, "/v1/completions", completion(prompt=ids)), 400, "prompt")
@@ -108,6 +125,8 @@ def test_max_tokens_that_cannot_fit_names_both_numbers(server) -> None:
     # the chat endpoint names the parameter the client used
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6}
     assert_error(post(server, "/v1/chat/completions", chat), 400, "max_completion_tokens")
+    long_chat = {"messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]}
+    assert_error(post(server, "/v1/chat/completions", long_chat), 400, "messages")
 
 
 def test_the_openai_client_sees_a_bad_request(server) -> None:

@@ -179,12 +179,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         """Abort in any state; frees every block it held. False if unknown or finished."""
         req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return False
+        # aborting an n > 1 request aborts all its samples, also once sample 0 has finished
         siblings = [r for r in self.scheduler.requests.values() if r.parent_id == request_id]
-        for r in [req, *siblings]:  # aborting an n > 1 request aborts all its samples
+        targets = ([req] if req is not None else []) + siblings
+        for r in targets:
             self.scheduler.finish(r, RequestStatus.FINISHED_ABORTED)
-        return True
+        return bool(targets)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

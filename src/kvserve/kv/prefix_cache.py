@@ -36,7 +36,8 @@ def block_hashes(
 ) -> list[bytes]:
     """Hashes of every full block of ``token_ids``; extends ``start`` (hashes already known)."""
     hashes = list(start or [])
-    salt = cache_salt.encode() if cache_salt else b""
+    # surrogatepass: any Python str is a valid salt, even one no UTF-8 text could carry
+    salt = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
         chunk = token_ids[i * block_size : (i + 1) * block_size]

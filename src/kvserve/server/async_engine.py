@@ -181,6 +181,8 @@ class AsyncEngine:
         group = _Group(asyncio.get_running_loop(), stream._queue, ids, stream._remaining)
         self._commands.put(("add", group, list(prompts), cache_salt))
         self._wake.set()
+        if self.error is not None:  # died meanwhile: its last drain may have missed this add
+            group.put(ErrorEvent(f"the engine loop died: {self.error!r}", 500))
         return stream
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -197,8 +199,11 @@ class AsyncEngine:
                 self._drain_commands()
                 if engine.has_unfinished_requests():
                     busy_since_log = True
-                    self._deliver(engine.step())
+                    outputs = engine.step()
+                    # before delivering: a client that sees this token may submit at once,
+                    # and must not find this request still counted as waiting
                     self._note_started()
+                    self._deliver(outputs)
                 else:
                     self._wake.wait(timeout=min(self.log_interval_s, 1.0))
                     self._wake.clear()
@@ -210,7 +215,15 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - whatever killed the loop goes to every stream
             self.error = e
             logger.exception("the engine loop died")
-            for group in {id(g): g for g in self._groups.values()}.values():
+            groups = {id(g): g for g in self._groups.values()}
+            while True:  # adds that raced the death would otherwise wait forever
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "add":
+                    groups[id(command[1])] = command[1]
+            for group in groups.values():
                 group.put(ErrorEvent(f"the engine loop died: {e!r}", 500))
             self._groups.clear()
 

@@ -7,6 +7,7 @@ empty choices and the usage.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -86,7 +87,7 @@ async def create_chat_completion(
     requested, param = req.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = req.max_tokens, "max_tokens"
-    max_tokens = served.resolve_max_tokens(requested, len(ids), None, param)
+    max_tokens = served.resolve_max_tokens(requested, len(ids), None, param, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = served.sampling_params(req, max_tokens, k)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -133,7 +134,10 @@ async def _stream(
 
     def chunk(choice: ChatChunkChoice) -> str:
         c = ChatCompletionChunk(id=rid, created=created, model=served.model_name, choices=[choice])
-        return sse(c.model_dump_json(exclude={"usage"}))
+        body = c.model_dump(exclude={"usage"})
+        for d in body["choices"]:  # OpenAI sends "delta": {} at the end, not nulls
+            d["delta"] = {k: v for k, v in d["delta"].items() if v is not None}
+        return sse(json.dumps(body))
 
     finals: list[RequestOutput] = []
     cached = 0

@@ -70,8 +70,9 @@ def _refuse_unsupported(req: CompletionRequest) -> None:
 def _logprobs(
     served: Served, out: RequestOutput, k: int, start: int, text_offset: int
 ) -> tuple[CompletionLogprobs, int]:
-    """Logprobs of output tokens [start, len): the sampled token's, and the top k; and the
-    text offset after them."""
+    """Logprobs of output tokens [start, len): the sampled token's, and the top k plus the
+    sampled one (up to k + 1 entries, as OpenAI's legacy completions); and the text offset
+    after them."""
     lp = CompletionLogprobs()
     steps = out.logprobs or []
     offset = text_offset
@@ -79,7 +80,7 @@ def _logprobs(
         text = served.token_text(token)
         lp.tokens.append(text)
         lp.token_logprobs.append(step.get(token))
-        lp.top_logprobs.append({served.token_text(t): v for t, v in list(step.items())[:k]})
+        lp.top_logprobs.append({served.token_text(t): v for t, v in step.items()})
         lp.text_offset.append(offset)
         offset += len(text)
     return lp, offset
@@ -94,7 +95,7 @@ async def create_completion(
     specs = []
     for ids in prompts:
         max_tokens = served.resolve_max_tokens(
-            req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens"
+            req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
         )
         specs.append(PromptSpec(ids, served.sampling_params(req, max_tokens, req.logprobs)))
     rid = f"cmpl-{uuid.uuid4().hex}"

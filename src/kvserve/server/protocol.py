@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvserve.sampling import MAX_N
 
@@ -19,8 +19,26 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 
 
+def _check_text(value: object) -> None:
+    """JSON may carry lone surrogates ("\\ud800"); no tokenizer or hash takes them."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid UTF-8 text: {e.reason} at index {e.start}") from e
+    elif isinstance(value, list):
+        for item in value:
+            _check_text(item)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text(cls, value: object) -> object:
+        _check_text(value)
+        return value
 
 
 class StreamOptions(_Strict):

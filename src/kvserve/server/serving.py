@@ -81,10 +81,16 @@ class Served:
 
     # -- limits and parameters -----------------------------------------------------------
     def resolve_max_tokens(
-        self, requested: int | None, prompt_len: int, default: int | None, param: str
+        self,
+        requested: int | None,
+        prompt_len: int,
+        default: int | None,
+        param: str,
+        prompt_param: str,
     ) -> int:
         """The request's max_tokens, refused with both numbers when it cannot fit; when not
-        given, ``default`` (None: all the room left, as vLLM's chat)."""
+        given, ``default`` (None: all the room left, as vLLM's chat). ``param`` and
+        ``prompt_param`` name the fields the client sent, for the error."""
         limit = min(self.max_model_len, self.max_tokens_in_pool)
         what = (
             f"this model's maximum context length is {limit} tokens"
@@ -92,12 +98,12 @@ class Served:
             else f"this server's KV cache holds at most {limit} tokens per request"
         )
         if prompt_len == 0:
-            raise bad_request("the prompt is empty", "prompt", "empty_prompt")
+            raise bad_request("the prompt is empty", prompt_param, "empty_prompt")
         if prompt_len >= limit:
             raise bad_request(
                 f"the prompt is {prompt_len} tokens, but {what} (room is needed for at least "
                 "one generated token)",
-                "messages" if param == "max_completion_tokens" else "prompt",
+                prompt_param,
                 "context_length_exceeded",
             )
         room = limit - prompt_len
@@ -184,6 +190,7 @@ async def collect(
         return finals
     finally:
         gone.cancel()
+        work.cancel()  # no-op once done; matters when this handler itself is cancelled
         stream.abort()  # no-op once finished
 
 
