@@ -164,6 +164,8 @@ def test_metrics_move_with_traffic(server: ServerProcess) -> None:
         assert after[key] == before[key] + 1
     itl = "vllm:inter_token_latency_seconds_count"
     assert after[itl] == before[itl] + 5
+    success = "vllm:request_success_total"  # summed over finish reasons
+    assert after[success] == before.get(success, 0) + 1
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"vllm:{gauge}" in after
     assert "vllm:num_preemptions_total" in after and "vllm:prefix_cache_hits_total" in after

@@ -145,10 +145,6 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
-    @property
-    def num_queued(self) -> int:
-        return self._num_queued
-
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -300,7 +296,7 @@ class AsyncEngine:
             self.metrics.inter_token_latency.observe(now - prev)
         group.last_token_at[out.request_id] = now
         if out.finished:
-            self.metrics.request_success.labels(finished_reason=out.finish_reason).inc()
+            self.metrics.request_finished(out.finish_reason)
 
     def _log_finished(self, out: RequestOutput) -> None:
         def ms(s: float | None) -> str:

@@ -89,24 +89,16 @@ class ServerMetrics:
         self.e2e_latency = histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to last token (s).", E2E_BUCKETS
         )
-        success = Counter(
+        self.model_name = model_name
+        self._success = Counter(
             "vllm:request_success",
             "Finished requests by finish reason.",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self.request_success = _Bound(success, model_name)
+
+    def request_finished(self, finish_reason: str | None) -> None:
+        self._success.labels(self.model_name, finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class _Bound:
-    """A labelled counter with model_name fixed."""
-
-    def __init__(self, counter: Counter, model_name: str) -> None:
-        self.counter = counter
-        self.model_name = model_name
-
-    def labels(self, finished_reason: str | None) -> Counter:
-        return self.counter.labels(self.model_name, finished_reason or "unknown")
