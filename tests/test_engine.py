@@ -284,7 +284,9 @@ def test_n_samples_fork_the_prompt_and_match_separate_seeds(
     assert_no_leaks(llm)
 
 
-def test_abort_n_samples_aborts_all(session: ModelSession) -> None:
+@pytest.mark.parametrize("sample_0_finished", [False, True])
+def test_abort_n_samples_aborts_all(session: ModelSession, sample_0_finished: bool) -> None:
+    # sample 0 can stop early (EOS, a stop string); its siblings still run and must go too
     llm = make_llm(session)
     engine = llm.engine
     req = engine.add_request(
@@ -292,22 +294,9 @@ def test_abort_n_samples_aborts_all(session: ModelSession) -> None:
     )
     engine.step()
     engine.step()
-    assert len(engine.scheduler.running) == 4
-    assert engine.abort_request(req.request_id)
-    assert_no_leaks(llm)
-
-
-def test_abort_n_samples_after_sample_0_finished_aborts_the_rest(session: ModelSession) -> None:
-    # sample 0 can stop early (EOS, a stop string); its siblings still run and must go too
-    llm = make_llm(session)
-    engine = llm.engine
-    req = engine.add_request(
-        random_token_ids(9, seed=63), SamplingParams(max_tokens=30, n=3, seed=1)
-    )
-    engine.step()
-    engine.step()
-    engine.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
-    assert len(engine.scheduler.running) == 2
+    if sample_0_finished:
+        engine.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+    assert len(engine.scheduler.running) == 4 - sample_0_finished
     assert engine.abort_request(req.request_id)
     assert not engine.has_unfinished_requests()
     assert_no_leaks(llm)
