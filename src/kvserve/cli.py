@@ -1,4 +1,4 @@
-"""kvserve command line: generate | chat | serve | verify.
+"""kvserve command line: generate | chat | serve | verify | info.
 
 The CLI owns the terminal: it parses flags, configures logging, prints. Everything it runs
 lives in the library. ``generate`` and ``chat`` run on the paged engine; ``generate
@@ -17,7 +17,8 @@ from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.llm import LLM
 from kvserve.engine.request import RequestOutput
 from kvserve.kv.spec import parse_memory
-from kvserve.models.loader import DTYPES
+from kvserve.models.loader import DTYPE_CHOICES
+from kvserve.models.weight_formats import QUANTIZATIONS
 from kvserve.sampling import SamplingParams
 from kvserve.server.config import ServerConfig
 from kvserve.session import ModelSession, generate_once
@@ -26,6 +27,7 @@ from kvserve.verify import verify
 DEFAULT_MAX_TOKENS = 128  # the CLI's default; SamplingParams keeps vLLM's 16 for the API
 _SP, _CACHE, _SCHED = SamplingParams(), CacheConfig(), SchedulerConfig()
 _SERVER = ServerConfig()
+_ENGINE = EngineConfig()
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +37,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
     p.add_argument(
-        "--dtype", default="float32", choices=list(DTYPES), help="weights and KV cache dtype"
+        "--dtype",
+        default=_ENGINE.dtype,
+        choices=list(DTYPE_CHOICES),
+        help="activations and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native "
+        "bfloat16, else float32 (GGUF quantized weights stay quantized either way)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="quantize a checkpoint's float weights at load (GGUF files keep their own)",
     )
     p.add_argument(
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"
@@ -110,6 +122,12 @@ def _cache_config(args: argparse.Namespace) -> CacheConfig:
 def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
         args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.scheduling_policy
+    )
+
+
+def _open(args: argparse.Namespace, show_progress: bool) -> ModelSession:
+    return ModelSession.open(
+        args.model, args.dtype, args.device, show_progress, quantization=args.quantization
     )
 
 
@@ -198,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prompt", default="The key-value cache of a transformer stores")
     v.add_argument("--max-tokens", type=int, default=64)
     v.add_argument("--json", action="store_true")
+
+    i = sub.add_parser(
+        "info", help="this machine's CPU features, kernels, dtype auto, bandwidth, a model's paths"
+    )
+    _add_model_args(i)
+    i.add_argument("--no-model", action="store_true", help="report the machine only")
+    i.add_argument("--json", action="store_true")
     return parser
 
 
@@ -208,7 +233,7 @@ def _write(text: str) -> None:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args, args.logprobs)  # validate flags before the slow model load
-    session = ModelSession.open(args.model, args.dtype, args.device, show_progress=not args.json)
+    session = _open(args, show_progress=not args.json)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -266,7 +291,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling(args)
-    session = ModelSession.open(args.model, args.dtype, args.device, show_progress=True)
+    session = _open(args, show_progress=True)
     tokenizer = session.require_tokenizer()
     llm = _llm(args, session)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -309,6 +334,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
         cache=_cache_config(args),
         scheduler=_scheduler_config(args),
     )
@@ -326,7 +352,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    session = ModelSession.open(args.model, args.dtype, args.device, show_progress=not args.json)
+    session = _open(args, show_progress=not args.json)
     report = verify(session, args.prompt, args.max_tokens)
     if args.json:
         print(json.dumps(report.as_dict()))
@@ -334,6 +360,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         for line in report.lines():
             print(line)
     return 0 if report.same_tokens else 1
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from kvserve.info import collect_info
+
+    session = None if args.no_model else _open(args, show_progress=False)
+    report = collect_info(session, args.device)
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        for line in report.lines():
+            print(line)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -349,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "chat": _cmd_chat,
         "serve": _cmd_serve,
         "verify": _cmd_verify,
+        "info": _cmd_info,
     }
     try:
         return commands[args.command](args)

@@ -55,8 +55,9 @@ class SchedulerConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf; None: the embedded default model
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA and native-bf16 CPUs, else float32
     device: str | None = None  # None: cuda if available, else cpu
+    quantization: str | None = None  # "q8_0" | "q4_0": quantize float weights at load
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False  # progress bar while loading weights

@@ -8,21 +8,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from kvserve.generation import GenerationResult, generate
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loader import load_model
+from kvserve.models.weight_formats import WeightsReport
+from kvserve.platform import default_device
 from kvserve.reference import DenseCacheDecoder, NoCacheDecoder
 from kvserve.sampling import SamplingParams
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass(slots=True)
@@ -31,22 +27,31 @@ class ModelSession:
     model: LlamaForCausalLM
     tokenizer: Tokenizer | None
     path: Path
+    weights: WeightsReport | None = None
 
     @classmethod
     def open(
         cls,
         model: str | Path | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str | None = None,
         show_progress: bool = False,
+        quantization: str | None = None,
     ) -> ModelSession:
-        loaded = load_model(model, dtype, device or default_device(), show_progress=show_progress)
+        """``dtype`` "auto": bfloat16 on CUDA and native-bf16 CPUs, else float32."""
+        loaded = load_model(
+            model,
+            dtype,
+            device or default_device(),
+            show_progress=show_progress,
+            quantization=quantization,
+        )
         try:
             tokenizer = Tokenizer.load(loaded.path, loaded.gguf_file)
         except ValueError as e:
             logger.warning("no tokenizer (%s); only --prompt-ids prompts will work", e)
             tokenizer = None
-        return cls(loaded.config, loaded.model, tokenizer, loaded.path)
+        return cls(loaded.config, loaded.model, tokenizer, loaded.path, loaded.weights)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """LLMEngine: add_request / step / abort_request / has_unfinished_requests.
 
-``step()`` = schedule -> run the model -> sample -> update requests, free what finished.
+``step()`` = schedule -> run the model -> sample the whole batch at once -> update requests,
+free what finished.
 One engine owns one model, one paged KV cache and one scheduler; nothing is global, so a
 process may hold several.
 """
@@ -23,7 +24,7 @@ from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
-from kvserve.sampling import SamplingParams, make_generator, sample
+from kvserve.sampling import SamplingParams, make_generator, sample_step
 from kvserve.session import ModelSession
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -93,7 +94,9 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        session = ModelSession.open(config.model, config.dtype, config.device, config.show_progress)
+        session = ModelSession.open(
+            config.model, config.dtype, config.device, config.show_progress, config.quantization
+        )
         return cls.from_session(session, config.cache, config.scheduler)
 
     @classmethod
@@ -201,7 +204,6 @@ class LLMEngine:
         self.scheduler_time_s += (t1 - t0) + (time.perf_counter() - t2)
         self.model_time_s += t2 - t1
         now = time.monotonic()
-        outputs = []
         for request_id, row in list(logits.items()):
             req = requests[request_id]
             if req.sampling_params.n > 1 and not req.forked:
@@ -210,16 +212,24 @@ class LLMEngine:
                 req.forked = True
                 for child in self._fork(req):
                     logits[child.request_id] = row
-        for request_id, row in logits.items():
-            req = requests[request_id]
-            token = sample(row, req.sampling_params, req.generator)
+        if not logits:
+            return []
+        reqs = [requests[rid] for rid in logits]
+        # every request of the step in one sampler call (and one for the logprobs)
+        sampled = sample_step(
+            list(logits.values()), [r.sampling_params for r in reqs], [r.generator for r in reqs]
+        )
+        outputs = []
+        for req, token, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
             if req.first_token_time is None:
                 req.first_token_time = now
             self.generation_tokens_total += 1
-            status = append_token(req, token, row, self.max_model_len)
+            status = append_token(req, token, lp, self.max_model_len)
             if status is not None:
                 self.scheduler.finish(req, status)
-            outputs.append(make_output(req, [token]))
+            out = make_output(req)
+            if out is not None:  # None: a FINAL_ONLY request still running
+                outputs.append(out)
         return outputs
 
     def stats(self) -> EngineStats:

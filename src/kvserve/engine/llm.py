@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -10,7 +11,7 @@ from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import RequestOutput
 from kvserve.kv.spec import parse_memory
-from kvserve.sampling import SamplingParams
+from kvserve.sampling import RequestOutputKind, SamplingParams
 from kvserve.session import ModelSession
 
 Prompt = str | Sequence[int]
@@ -27,8 +28,9 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str | None = None,
+        quantization: str | None = None,
         kv_cache_memory: int | float | str | None = None,
         num_kv_blocks: int | None = None,
         block_size: int = _CACHE.block_size,
@@ -40,7 +42,9 @@ class LLM:
         session: ModelSession | None = None,
         show_progress: bool = False,
     ) -> None:
-        self.session = session or ModelSession.open(model, dtype, device, show_progress)
+        self.session = session or ModelSession.open(
+            model, dtype, device, show_progress, quantization
+        )
         cache = CacheConfig(
             block_size=block_size,
             kv_cache_memory=None if kv_cache_memory is None else parse_memory(kv_cache_memory),
@@ -60,7 +64,8 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in the order of the prompts, and for a
-        prompt with ``n > 1`` its n samples in a row (``index`` 0 .. n-1).
+        prompt with ``n > 1`` its n samples in a row (``index`` 0 .. n-1). Each is a final
+        output (every request runs as FINAL_ONLY, whatever its ``output_kind``).
 
         Every prompt is checked before any is queued: one that can never fit raises
         ValueError and nothing runs.
@@ -74,6 +79,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # only final outputs are returned: the engine builds no other
+        params = [_with_kind(p, RequestOutputKind.FINAL_ONLY) for p in params]
         engine = self.engine
         encoded = [engine.encode(p) for p in prompts]
         for ids, p in zip(encoded, params, strict=True):
@@ -99,14 +106,17 @@ class LLM:
     ) -> Iterator[RequestOutput]:
         """One request, yielding an output per generated token (the last one has finished=True).
 
-        Stopping the iteration early aborts the request and frees its blocks.
+        The request runs as DELTA: each output has its step's ``new_token_ids``, ``new_text``
+        and ``new_logprobs``; only the last also has the whole ``token_ids``, ``text`` and
+        ``logprobs``. Stopping the iteration early aborts the request and frees its blocks.
         """
         engine = self.engine
         if sampling_params is not None and sampling_params.n > 1:
             raise ValueError(
                 f"stream() follows one sample; got n={sampling_params.n} (use generate)"
             )
-        req = engine.add_request(prompt, sampling_params, cache_salt=cache_salt)
+        params = _with_kind(sampling_params or SamplingParams(), RequestOutputKind.DELTA)
+        req = engine.add_request(prompt, params, cache_salt=cache_salt)
         try:
             while True:
                 for out in engine.step():
@@ -117,3 +127,7 @@ class LLM:
         finally:
             if not req.status.finished:
                 engine.abort_request(req.request_id)
+
+
+def _with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    return params if params.output_kind is kind else dataclasses.replace(params, output_kind=kind)

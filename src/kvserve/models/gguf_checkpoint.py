@@ -2,7 +2,8 @@
 
 Tensors are renamed from llama.cpp names (``blk.3.attn_q.weight``) to Hugging Face names
 (``model.layers.3.self_attn.q_proj.weight``) and dequantized to float32 with
-``gguf.quants.dequantize``. llama.cpp's converter permutes the rows of the Llama query and key
+``gguf.quants.dequantize`` -- except 2-D weights in a format kvserve multiplies in place
+(``KEEP_QUANTIZED``), which stay in their block format as a ``QuantizedTensor``. llama.cpp's converter permutes the rows of the Llama query and key
 projections for its interleaved rotary layout; we undo that so the weights match HF's
 rotate-half layout.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,29 @@ SUPPORTED_GGML_TYPES = (
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 )
+
+# Formats whose 2-D weights stay quantized in memory (kvserve.kernels multiplies them in place).
+KEEP_QUANTIZED = (
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+)
+
+
+@dataclass(slots=True)
+class QuantizedTensor:
+    """A 2-D weight in a GGUF block format: ``data`` is uint8 (rows, bytes per row)."""
+
+    data: torch.Tensor
+    qtype: int  # GGMLQuantizationType value
+    shape: tuple[int, int]  # (rows, cols) of the dequantized weight: (out, in) features
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
 
 # llama.cpp tensor name -> HF name. {i} is the layer index.
 _GLOBAL_NAMES = {
@@ -110,24 +135,37 @@ def dequantize_tensor(name: str, data: np.ndarray, qtype: GGMLQuantizationType) 
 
 
 def iter_gguf_tensors(
-    reader: GGUFReader, config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, float32 tensor) per tensor; ``rope_freqs.weight`` keeps its GGUF name."""
+    reader: GGUFReader, config: ModelConfig, keep_quantized: bool = True
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yields (HF name, tensor) per tensor; ``rope_freqs.weight`` keeps its GGUF name.
+
+    With ``keep_quantized``, 2-D weights in a ``KEEP_QUANTIZED`` format come as a
+    ``QuantizedTensor`` (their bytes, copied out of the memory map); the rest as float32.
+    """
     unpermute = reader.fields["general.architecture"].contents() == "llama"
     for t in reader.tensors:
-        w = dequantize_tensor(t.name, t.data, GGMLQuantizationType(t.tensor_type))
-        # GGUF lists dims innermost first; numpy data is already (rows, cols) for 2-D tensors.
-        w = w.reshape([int(d) for d in reversed(t.shape)])
+        qtype = GGMLQuantizationType(t.tensor_type)
+        # GGUF lists dims innermost first: (rows, cols) = reversed
+        shape = [int(d) for d in reversed(t.shape)]
+        hf_name = ROPE_FREQS if t.name == ROPE_FREQS else gguf_to_hf_name(t.name)
+        quantized = keep_quantized and qtype in KEEP_QUANTIZED and len(shape) == 2
+        if quantized:
+            w = np.asarray(t.data)  # (rows, bytes per row) uint8: row permutes stay valid
+        else:
+            w = dequantize_tensor(t.name, t.data, qtype).reshape(shape)
         if t.name == ROPE_FREQS:
             yield ROPE_FREQS, torch.from_numpy(np.array(w, copy=True))
             continue
-        hf_name = gguf_to_hf_name(t.name)
         if unpermute and hf_name.endswith("q_proj.weight"):
             w = unpermute_rotary_rows(w, config.num_attention_heads)
         elif unpermute and hf_name.endswith("k_proj.weight"):
             w = unpermute_rotary_rows(w, config.num_key_value_heads)
-        # F32/F16 data are read-only views of the memory-mapped file: copy before torch owns it
-        yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+        # the data are read-only views of the memory-mapped file: copy before torch owns them
+        if quantized:
+            data = torch.from_numpy(np.array(w, dtype=np.uint8, order="C", copy=True))
+            yield hf_name, QuantizedTensor(data, int(qtype), (shape[0], shape[1]))
+        else:
+            yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
 
 
 def find_gguf_file(path: Path) -> Path | None:

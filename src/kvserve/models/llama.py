@@ -8,6 +8,9 @@ attention backend decides which earlier K/V each token sees.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -34,22 +37,20 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
+    def project(
         self,
-        x: torch.Tensor,  # (T, hidden)
+        x: torch.Tensor,  # (T, hidden), already normalized
         cos: torch.Tensor,  # (T, 1, head_dim)
         sin: torch.Tensor,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, heads, head_dim) and k, v (T, kv_heads, head_dim), q and k rotated."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn(self.layer_idx, q, k, v)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -60,9 +61,34 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+    # The layer in two halves around attention, so that each half can be compiled (fused
+    # norms, rotary, activations around the opaque matmul ops) while attention -- which reads
+    # and writes the cache through a backend object -- stays outside the compiled graphs.
+    def before_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual stream x (T, hidden) -> q, k, v of this layer."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual stream x (T, hidden), attention output (T, heads, head_dim) -> new x."""
+        x = x + self.self_attn.o_proj(attn_out.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.before_attention(x, cos, sin)
+        return self.after_attention(x, attn(self.self_attn.layer_idx, q, k, v))
+
+
+@dataclass(slots=True)
+class LayerSteps:
+    """The two halves every decoder layer runs: eager methods, or their compiled versions."""
+
+    before_attention: Callable
+    after_attention: Callable
+
+
+EAGER_STEPS = LayerSteps(LlamaDecoderLayer.before_attention, LlamaDecoderLayer.after_attention)
 
 
 class LlamaModel(nn.Module):
@@ -84,14 +110,16 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.steps = EAGER_STEPS  # compiled_steps.compile_model may replace them
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activation (and KV cache) dtype; weights may be quantized whatever it is."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -99,8 +127,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        before, after = self.steps.before_attention, self.steps.after_attention
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+            q, k, v = before(layer, x, cos, sin)
+            x = after(layer, x, attn(layer.self_attn.layer_idx, q, k, v))
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,27 +5,17 @@ matrix-vector products whose time is mostly that. Packing each weight once at lo
 measured 1.3-2x faster matmuls on these CPUs (bfloat16 and float32, batch 1 to 64), with the
 same arithmetic (bit-identical in bfloat16, reordered float32 accumulation).
 
+oneDNN's bfloat16 packing runs only on CPUs with AVX-512BW/VL/DQ or AVX-NE-CONVERT (it raises
+elsewhere): weight_formats.py decides from ``CpuFeatures`` where PackedLinear is used.
+
 The packed tensor is opaque (``torch._mkldnn`` layout): the module keeps it instead of the
 dense weight, so ``dense_state_dict`` rebuilds Hugging Face-named dense tensors when needed.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
-
-
-def packing_available(device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
 
 
 class PackedLinear(nn.Module):
@@ -50,22 +40,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of a loaded CPU model by a PackedLinear; returns how many."""
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child))
-                count += 1
-    logger.debug("packed %d linear layers for oneDNN", count)
-    return count
-
-
 def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under their Hugging Face names, packed ones made dense again."""
-    state = dict(model.state_dict())
+    """The model's weights under their Hugging Face names, as dense tensors: packed ones
+    unpacked, quantized ones dequantized (float32)."""
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(".qweight")}
     for prefix, module in model.named_modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, PackedLinear) or hasattr(module, "qweight"):
             state[f"{prefix}.weight"] = module.weight
     return state

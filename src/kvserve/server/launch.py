@@ -38,7 +38,12 @@ def load_served(
     metrics: ServerMetrics,
 ) -> Served:
     """Load the model, build the engine and start its loop thread."""
-    session = ModelSession.open(engine_config.model, engine_config.dtype, engine_config.device)
+    session = ModelSession.open(
+        engine_config.model,
+        engine_config.dtype,
+        engine_config.device,
+        quantization=engine_config.quantization,
+    )
     engine = LLMEngine.from_session(session, engine_config.cache, engine_config.scheduler)
     loop = AsyncEngine(
         engine, metrics, server_config.max_queued_requests, server_config.log_interval_s

@@ -1,0 +1,190 @@
+"""Linear and embedding layers whose weights stay in a GGUF block format (Q8_0, Q4_0, ...).
+
+The weight is the file's own bytes, a uint8 tensor ``qweight`` of shape
+``(out_features, in_features // block_elems * block_bytes)``: one row of blocks per output
+feature, exactly as llama.cpp stores it. Resident weight bytes are therefore about the file's
+size (the default model: ~98 MB instead of 538 MB of float32).
+
+A matmul takes one of three paths, all computing ``x @ dequantize(qweight).T`` in float32:
+
+- ``kernel``: the C++ kernel that dequantizes inside the dot product (``torch.ops.kvserve.
+  quant_matmul``), for up to ``policy.kernel_max_rows`` rows (decode, small batches);
+- ``dequant+matmul``: the C++ dequantizer into a float32 weight, then ``F.linear`` (oneDNN), for
+  more rows (prefill, where the matmul is compute-bound and the unpacking is amortized);
+- ``reference``: the pure-PyTorch dequantizer, then ``F.linear`` -- the fallback wherever the
+  extension did not build, and the truth every kernel is tested against.
+
+Which of the first two is faster at which row count is measured on the machine
+(``measure_kernel_max_rows``), never assumed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.kernels.quant_ref import (
+    block_size as quant_block_size,
+)
+from kvserve.kernels.quant_ref import (
+    dequantize_ref,
+    dequantize_rows,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantPolicy:
+    """How the quantized layers of one model multiply. Built once at load."""
+
+    use_kernels: bool  # the C++ extension is loaded (else: the PyTorch reference)
+    isa: int = -1  # kernel ISA: -1 best the CPU has, 0 scalar, 1 AVX2+FMA, 2 AVX-512
+    kernel_max_rows: int = 16  # rows up to which the fused kernel runs; above: dequant+matmul
+
+    def __post_init__(self) -> None:
+        if self.isa not in (-1, 0, 1, 2):
+            raise ValueError(f"isa must be -1, 0, 1 or 2, got {self.isa}")
+        if self.kernel_max_rows < 0:
+            raise ValueError(f"kernel_max_rows must be >= 0, got {self.kernel_max_rows}")
+
+    def path(self, rows: int) -> str:
+        if not self.use_kernels:
+            return "reference"
+        return "kernel" if rows <= self.kernel_max_rows else "dequant+matmul"
+
+
+REFERENCE_POLICY = QuantPolicy(use_kernels=False)
+
+
+def quant_linear(
+    x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int, policy: QuantPolicy
+) -> torch.Tensor:
+    """(..., K) activations times a quantized (N, K) weight -> (..., N) in x's dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)  # (M, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    path = policy.path(x2.shape[0])
+    if path == "kernel":
+        y = torch.ops.kvserve.quant_matmul(
+            x2.contiguous(), qweight, qtype, out_features, policy.isa
+        )
+    elif path == "dequant+matmul":
+        y = F.linear(x2, torch.ops.kvserve.dequantize(qweight, qtype, out_features, k))
+    else:
+        y = F.linear(x2, dequantize_ref(qweight, qtype, out_features, k))
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W kept in a GGUF block format; bias (if any) in the model dtype."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        qtype: int,
+        in_features: int,
+        out_features: int,
+        policy: QuantPolicy,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        elems, nbytes = quant_block_size(qtype)
+        if in_features % elems:
+            raise ValueError(
+                f"in_features {in_features} is not a multiple of the block size {elems}"
+            )
+        want = (out_features, in_features // elems * nbytes)
+        if qweight.dtype != torch.uint8 or tuple(qweight.shape) != want:
+            raise ValueError(
+                f"qweight must be uint8 {want} for qtype {qtype}, got {qweight.dtype} "
+                f"{tuple(qweight.shape)}"
+            )
+        self.register_buffer("qweight", qweight)
+        self.qtype = qtype
+        self.in_features = in_features
+        self.out_features = out_features
+        self.policy = policy
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = quant_linear(x, self.qweight, self.qtype, self.out_features, self.policy)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized float32 weight (N, K): for export and tests, never the hot path."""
+        return dequantize_ref(self.qweight, self.qtype, self.out_features, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"qtype={self.qtype}, bytes={self.qweight.nbytes}"
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding kept quantized: a lookup dequantizes only the rows it reads."""
+
+    def __init__(
+        self, qweight: torch.Tensor, qtype: int, num_embeddings: int, dim: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.register_buffer("qweight", qweight)
+        self.qtype = qtype
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = dim
+        self.out_dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_rows(self.qweight, self.qtype, ids.reshape(-1), self.embedding_dim)
+        return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize_ref(self.qweight, self.qtype, self.num_embeddings, self.embedding_dim)
+
+
+def _time(fn, repeat: int) -> float:
+    fn()  # warm-up (first-touch, oneDNN primitive creation)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_kernel_max_rows(
+    qweight: torch.Tensor,
+    qtype: int,
+    out_features: int,
+    in_features: int,
+    isa: int,
+    candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128),
+    repeat: int = 3,
+) -> int:
+    """The largest row count at which the fused kernel beats dequantize + F.linear on this
+    machine, for this weight (0: the kernel never wins). Rows are tried in increasing order and
+    the search stops at the first loss (the kernel's cost grows with rows, the dequantized
+    matmul's mostly does not)."""
+    best_rows = 0
+    for m in candidates:
+        x = torch.randn(m, in_features)
+        fused = _time(
+            lambda x=x: torch.ops.kvserve.quant_matmul(x, qweight, qtype, out_features, isa),
+            repeat,
+        )
+        dense = _time(
+            lambda x=x: F.linear(
+                x, torch.ops.kvserve.dequantize(qweight, qtype, out_features, in_features)
+            ),
+            repeat,
+        )
+        if fused > dense:
+            break
+        best_rows = m
+    return best_rows

@@ -1,0 +1,203 @@
+"""What each weight of a loaded model becomes in memory, and how it is multiplied.
+
+After the checkpoint's tensors are checked and loaded (loader.py), every ``nn.Linear`` (and a
+quantized token embedding) is replaced by the layer that fits the weight and the machine:
+
+    GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weight  -> QuantizedLinear (stays in its block format)
+    --quantization q8_0|q4_0 (HF weights)  -> quantized at load, then QuantizedLinear
+    float32, CPU                           -> PackedLinear (oneDNN pre-packed)
+    bfloat16, CPU with oneDNN bf16 support -> PackedLinear
+    bfloat16, CPU without native bf16      -> UpcastLinear (bf16 weights, float32 matmul)
+    anything on CUDA                       -> nn.Linear as loaded
+
+The choices are made from ``CpuFeatures`` (what the CPU does), and the quantized matmul's
+row threshold from a measurement on this machine. ``WeightsReport`` says what was chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from kvserve.kernels.build import load_kernels
+from kvserve.kernels.quant_ref import quantize
+from kvserve.models.gguf_checkpoint import QuantizedTensor
+from kvserve.models.packed_linear import PackedLinear
+from kvserve.models.quantized_linear import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantPolicy,
+    measure_kernel_max_rows,
+)
+from kvserve.platform import CpuFeatures
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0}
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+
+class UpcastLinear(nn.Module):
+    """bfloat16/float16 weights, float32 matmul: on CPUs without native bfloat16 the dtype's
+    own ``F.linear`` is emulated and ~30x slower than converting (measured on Zen 3)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
+@dataclass(slots=True)
+class WeightsReport:
+    """What the loaded model keeps in memory and which matmul path each format takes."""
+
+    resident_bytes: int = 0  # parameters + buffers, the tied embedding counted once
+    tensors_by_format: Counter = field(default_factory=Counter)  # "Q4_1" -> 210, ...
+    paths: dict[str, str] = field(default_factory=dict)  # format -> matmul path, for humans
+
+    def summary(self) -> str:
+        formats = ", ".join(f"{n} {name}" for name, n in sorted(self.tensors_by_format.items()))
+        return f"{self.resident_bytes / 2**20:.1f} MiB resident ({formats})"
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer storage (a tied weight counts once)."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type == "meta" or t.is_mkldnn:
+            continue
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    total = sum(seen.values())
+    for m in model.modules():  # oneDNN-packed weights are opaque: count their dense size
+        if isinstance(m, PackedLinear):
+            total += m.packed.numel() * m.packed.element_size()
+    return total
+
+
+def kernel_isa(features: CpuFeatures) -> int:
+    """The kernel ISA from what the CPU does (respects a KVSERVE_CPU_FEATURES cap)."""
+    if features.avx512:
+        return 2
+    if features.avx2 and features.fma:
+        return 1
+    return 0
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _policies(
+    layers: dict[str, QuantizedTensor], device: torch.device, features: CpuFeatures
+) -> dict[tuple[int, int, int], QuantPolicy]:
+    """One policy per distinct (qtype, rows, cols): the kernel's row threshold is measured."""
+    use = device.type == "cpu" and load_kernels()
+    isa = kernel_isa(features)
+    out: dict[tuple[int, int, int], QuantPolicy] = {}
+    for q in layers.values():
+        key = (q.qtype, *q.shape)
+        if key in out:
+            continue
+        if not use:
+            out[key] = QuantPolicy(use_kernels=False)
+            continue
+        rows = measure_kernel_max_rows(q.data, q.qtype, q.shape[0], q.shape[1], isa)
+        out[key] = QuantPolicy(use_kernels=True, isa=isa, kernel_max_rows=rows)
+    return out
+
+
+def quantize_linears(model: nn.Module, quantization: str) -> dict[str, QuantizedTensor]:
+    """``--quantization``: every linear weight (and a tied embedding) quantized at load."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    qtype = int(QUANTIZATIONS[quantization])
+    out: dict[str, QuantizedTensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear | nn.Embedding) and module.weight.shape[1] % 32 == 0:
+            w = module.weight.detach().float()
+            out[f"{name}.weight"] = QuantizedTensor(quantize(w, qtype), qtype, tuple(w.shape))
+    return out
+
+
+def finalize_weights(
+    model: nn.Module,
+    quantized: dict[str, QuantizedTensor],
+    dtype: torch.dtype,
+    device: torch.device,
+    features: CpuFeatures,
+    pack: bool = True,
+) -> WeightsReport:
+    """Swap in the layer each weight takes (see the module docstring); report the result.
+
+    ``quantized``: HF weight name -> QuantizedTensor, for weights that stay quantized; the
+    model must already hold every other weight (built by loader.build_model).
+    """
+    report = WeightsReport()
+    policies = _policies(quantized, device, features)
+    embed_name = "model.embed_tokens.weight"
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    for name, q in quantized.items():
+        module_name = name.removesuffix(".weight")
+        policy = policies[(q.qtype, *q.shape)]
+        data = q.data.to(device)
+        fmt = GGMLQuantizationType(q.qtype).name
+        report.tensors_by_format[fmt] += 1
+        report.paths[fmt] = (
+            f"kernel ({ISA_NAMES[policy.isa if policy.isa >= 0 else 2]}) up to "
+            f"{policy.kernel_max_rows} rows, dequant+matmul above"
+            if policy.use_kernels
+            else "reference (PyTorch dequantize + matmul)"
+        )
+        if name == embed_name:
+            rows, dim = q.shape
+            _set_module(model, module_name, QuantizedEmbedding(data, q.qtype, rows, dim, dtype))
+            if tied:  # the lm_head multiplies by the same bytes
+                model.lm_head = QuantizedLinear(data, q.qtype, dim, rows, policy)
+            continue
+        old = model.get_submodule(module_name)
+        bias = getattr(old, "bias", None)
+        layer = QuantizedLinear(data, q.qtype, q.shape[1], q.shape[0], policy, bias)
+        _set_module(model, module_name, layer)
+    _finalize_dense(model, dtype, device, features, pack, report)
+    report.resident_bytes = resident_bytes(model)
+    return report
+
+
+def _finalize_dense(
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    features: CpuFeatures,
+    pack: bool,
+    report: WeightsReport,
+) -> None:
+    """Dense linears: oneDNN packing where the CPU runs it, float32 matmul for emulated bf16."""
+    name = str(dtype).removeprefix("torch.")
+    cpu = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    if cpu and dtype != torch.float32 and not (dtype == torch.bfloat16 and features.native_bf16):
+        make, path = UpcastLinear, "float32 matmul of the weights (no native bfloat16)"
+    elif cpu and pack and (dtype == torch.float32 or features.onednn_bf16_packing):
+        make, path = PackedLinear, "oneDNN pre-packed"
+    else:
+        make, path = None, "F.linear"
+    for module_name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear):
+            report.tensors_by_format[name] += 1
+            report.paths[name] = path
+            if make is not None:
+                _set_module(model, module_name, make(module))
