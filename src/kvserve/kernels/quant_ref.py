@@ -32,7 +32,9 @@ def row_bytes(qtype: int, k: int) -> int:
     """Bytes of one quantized row of k values."""
     elems, nbytes = block_size(qtype)
     if k % elems:
-        raise ValueError(f"in_features {k} is not a multiple of {QT(qtype).name}'s block of {elems}")
+        raise ValueError(
+            f"in_features {k} is not a multiple of {QT(qtype).name}'s block of {elems}"
+        )
     return k // elems * nbytes
 
 

@@ -1,0 +1,143 @@
+"""quant_matmul: the C++ quantized-weight matmul vs dequantize-then-F.linear, on the default
+model's shapes (SmolLM2-135M: hidden 576, kv 192, mlp 1536, vocab 49152).
+
+Per type, M and shape: best-of-reps time of
+  kernel  torch.ops.kvserve.quant_matmul (best ISA, or --isa)
+  ref     dequantize_ref (PyTorch) + F.linear
+  deq     kvserve::dequantize (C++) + F.linear
+  f32     F.linear on a float32 weight (what kvserve does today)
+with GB/s of quantized weight bytes read by the kernel and ratios (x = time / kernel time).
+Then the decode step: all 211 M=1 matmuls of the model on distinct weights (~96 MB, so they
+stream from DRAM as in a real decode), per ISA.
+
+    python -m benchmarks.quant_matmul [--types Q4_1,Q8_0] [--m 1,4,16,64,256] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as QT
+
+from kvserve.kernels.build import ISA_NAMES, load_kernels
+from kvserve.kernels.quant_ref import block_size, dequantize_ref, quantize, row_bytes
+
+# (out_features N, in_features K) of the model's matmuls; per layer: q, k, v, o, gate, up, down.
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
+LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+NUM_LAYERS = 30
+
+
+def best_time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm up (allocations, first-touch)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def random_weight(qtype: QT, n: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """uint8 (n, row_bytes): gguf-quantized for the types gguf-py can quantize, else random
+    bytes with sane fp16 scales (the kernel's speed does not depend on the values)."""
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):
+        return quantize(torch.randn(n, k, generator=g) * 0.05, qtype)
+    w = torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, generator=g)
+    blocks = w.view(-1, 144 if qtype == QT.Q4_K else 210)
+    half = torch.full((blocks.shape[0], 1), 0.01).half().view(torch.uint8)  # (nb, 2)
+    for off in (0, 2) if qtype == QT.Q4_K else (208,):
+        blocks[:, off : off + 2] = half
+    return w
+
+
+def time_row(
+    qtype: QT, w: torch.Tensor, wf: torch.Tensor, x: torch.Tensor, reps: int, isa: int
+) -> tuple[float, float, float, float]:
+    """(kernel, ref, deq, f32) seconds for x (M, K) times weight (N, K)."""
+    n, k = wf.shape
+    op = torch.ops.kvserve.quant_matmul
+    return (
+        best_time(lambda: op(x, w, int(qtype), n, isa), reps),
+        best_time(lambda: F.linear(x, dequantize_ref(w, qtype, n, k)), max(2, reps // 4)),
+        best_time(lambda: F.linear(x, torch.ops.kvserve.dequantize(w, int(qtype), n, k)), reps),
+        best_time(lambda: F.linear(x, wf), reps),
+    )
+
+
+def bench_shapes(qtypes: list[QT], ms: list[int], reps: int, isa: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    print(
+        f"{'type':5} {'N x K':>11} {'M':>4} {'kernel us':>10} {'GB/s':>6} "
+        f"{'ref x':>7} {'deq x':>7} {'f32 x':>7}"
+    )
+    for qtype in qtypes:
+        for n, k in SHAPES:
+            if k % block_size(qtype)[0]:
+                continue  # K-quants need K % 256 == 0 (llama.cpp falls back to Q5_0/Q8_0 there)
+            w = random_weight(qtype, n, k, g)
+            wf = dequantize_ref(w, qtype, n, k)
+            r = max(2, reps // 8) if n * k > 10**7 else reps
+            for m in ms:
+                t_k, t_ref, t_deq, t_f32 = time_row(
+                    qtype, w, wf, torch.randn(m, k, generator=g), r, isa
+                )
+                print(
+                    f"{qtype.name:5} {n:>5}x{k:<5} {m:>4} {t_k * 1e6:>10.1f} "
+                    f"{w.numel() / t_k / 1e9:>6.1f} {t_ref / t_k:>7.2f} {t_deq / t_k:>7.2f} "
+                    f"{t_f32 / t_k:>7.2f}"
+                )
+
+
+def bench_decode_step(reps: int) -> None:
+    """All M=1 matmuls of one decode step: Q4_1 layers + the Q8_0 lm_head, distinct weights."""
+    g = torch.Generator().manual_seed(1)
+    mats = [
+        (QT.Q4_1, n, k, random_weight(QT.Q4_1, n, k, g))
+        for _ in range(NUM_LAYERS)
+        for n, k in LAYER
+    ]
+    mats.append((QT.Q8_0, 49152, 576, random_weight(QT.Q8_0, 49152, 576, g)))
+    xs = {576: torch.randn(1, 576, generator=g), 1536: torch.randn(1, 1536, generator=g)}
+    nbytes = sum(w.numel() for *_, w in mats)
+    op = torch.ops.kvserve.quant_matmul
+    for isa in range(int(torch.ops.kvserve.cpu_isa()), -1, -1):
+
+        def step(isa: int = isa) -> None:
+            for qtype, n, k, w in mats:
+                op(xs[k], w, int(qtype), n, isa)
+
+        t = best_time(step, reps)
+        print(
+            f"decode step, {len(mats)} matmuls, {nbytes / 1e6:.0f} MB, {ISA_NAMES[isa]:>20}: "
+            f"{t * 1e3:6.2f} ms  ({nbytes / t / 1e9:.1f} GB/s)"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="Q4_1,Q8_0,Q4_0,Q4_K,Q6_K")
+    ap.add_argument("--m", default="1,4,16,64,256")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--isa", type=int, default=-1, help="-1 best, 0 scalar, 1 avx2, 2 avx512")
+    ap.add_argument("--skip-step", action="store_true", help="skip the decode-step timing")
+    args = ap.parse_args()
+    if not load_kernels():
+        raise SystemExit("the C++ kernels did not load (see the warning above)")
+    torch.set_num_threads(args.threads)
+    print(
+        f"threads {torch.get_num_threads()}, best ISA {ISA_NAMES[int(torch.ops.kvserve.cpu_isa())]}"
+    )
+    qtypes = [QT[name] for name in args.types.split(",")]
+    bench_shapes(qtypes, [int(m) for m in args.m.split(",")], args.reps, args.isa)
+    if not args.skip_step:
+        bench_decode_step(max(3, args.reps // 4))
+
+
+if __name__ == "__main__":
+    main()

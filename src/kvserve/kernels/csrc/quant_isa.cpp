@@ -1,0 +1,235 @@
+// Per-ISA halves of the quantized kernels (see quant_kernels.h): int8 codes -> float32 and the
+// register-tiled dot products of activation rows with dequantized weight rows.
+//
+// The TU is compiled with plain -O3 (no -march), so it runs on any x86-64: the AVX2 and
+// AVX-512 functions carry __attribute__((target)) and are picked at run time from
+// __builtin_cpu_supports. Elsewhere only the scalar path is built.
+//
+// Tile: acc[u][m][r] holds lane-partial sums of x row m . w row r over the k-slice u (U-way
+// unroll over k when the tile is small, so at least 8 FMA chains are in flight and M = 1 is
+// not bound by FMA latency); each weight vector load is reused for MT rows, each activation
+// vector load for kNR rows.
+#include "quant_kernels.h"
+
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve_quant {
+
+namespace {
+
+// ---- scalar (portable C++; GCC vectorizes the fixed-width lane loops) ----
+
+// Portable dequantization: the format's decoder, one block at a time, then codes * scale (+ bias).
+template <DecodeFn kDecode, bool kBias, int kElems, int kBytes>
+void dequant_scalar(const uint8_t* src, int64_t nblocks, float* out) {
+  int8_t q[kElems];
+  float scale[kElems / kGroup], bias[kElems / kGroup];
+  for (int64_t b = 0; b < nblocks; ++b, out += kElems) {
+    kDecode(src + b * kBytes, 1, q, scale, bias);
+    for (int g = 0; g < kElems / kGroup; ++g)
+      for (int i = 0; i < kGroup; ++i) {
+        float v = static_cast<float>(q[g * kGroup + i]) * scale[g];
+        if (kBias) v += bias[g];
+        out[g * kGroup + i] = v;
+      }
+  }
+}
+
+template <int MT>
+void tile_scalar(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t kc, float* out,
+                 int64_t ldo, int nr, bool accumulate) {
+  constexpr int L = 16;  // independent partial sums per (m, r): kc is a multiple of 32
+  float acc[MT][kNR][L] = {};
+  for (int64_t k = 0; k < kc; k += L) {
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kNR; ++r)
+        for (int l = 0; l < L; ++l) acc[m][r][l] += x[m * ldx + k + l] * w[r * ldw + k + l];
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < nr; ++r) {
+      float s = 0.0f;
+      for (int l = 0; l < L; ++l) s += acc[m][r][l];
+      out[m * ldo + r] = accumulate ? out[m * ldo + r] + s : s;
+    }
+}
+
+#if defined(__x86_64__)
+
+// ---- AVX2 + FMA: 8 lanes, 16 ymm registers -> tiles of up to 2 x 4 ----
+
+#define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+KV_AVX2 inline float h2f_avx2(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+KV_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int MT>
+KV_AVX2 void tile_avx2(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t kc,
+                       float* out, int64_t ldo, int nr, bool accumulate) {
+  constexpr int U = MT == 1 ? 2 : 1;  // k unroll: >= 8 accumulators in flight
+  constexpr int V = 8;
+  __m256 acc[U][MT][kNR];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; k += U * V) {
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u) {
+      __m256 wv[kNR];
+      for (int r = 0; r < kNR; ++r) wv[r] = _mm256_loadu_ps(w + r * ldw + k + u * V);
+      for (int m = 0; m < MT; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * ldx + k + u * V);
+        for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm256_fmadd_ps(xv, wv[r], acc[u][m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < nr; ++r) {
+      __m256 a = acc[0][m][r];
+      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[u][m][r]);
+      const float s = hsum_avx2(a);
+      out[m * ldo + r] = accumulate ? out[m * ldo + r] + s : s;
+    }
+}
+
+// ---- AVX-512 (F, BW, VL, DQ): 16 lanes, 32 zmm registers -> tiles of up to 4 x 4 ----
+
+#define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+template <int MT>
+KV_AVX512 void tile_avx512(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t kc,
+                           float* out, int64_t ldo, int nr, bool accumulate) {
+  constexpr int U = MT == 1 ? 2 : 1;  // kc is a multiple of 32 = U * V
+  constexpr int V = 16;
+  __m512 acc[U][MT][kNR];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; k += U * V) {
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u) {
+      __m512 wv[kNR];
+      for (int r = 0; r < kNR; ++r) wv[r] = _mm512_loadu_ps(w + r * ldw + k + u * V);
+      for (int m = 0; m < MT; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * ldx + k + u * V);
+        for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm512_fmadd_ps(xv, wv[r], acc[u][m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < nr; ++r) {
+      __m512 a = acc[0][m][r];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][m][r]);
+      const float s = _mm512_reduce_add_ps(a);
+      out[m * ldo + r] = accumulate ? out[m * ldo + r] + s : s;
+    }
+}
+
+#endif  // __x86_64__
+
+}  // namespace
+
+#if defined(__x86_64__)
+// The SIMD dequantizers, once per ISA (see quant_simd.h): namespace avx2 and avx512 each get
+// their own copy compiled for their target, built on these primitives.
+// (GCC: push_options / target pragmas; clang: attribute push.)
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+namespace avx2 {
+inline float h2f(const uint8_t* p) { return h2f_avx2(p); }
+inline __m256 cvt8(__m128i q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)); }
+inline void store16(float* out, __m128i q, float s) {
+  const __m256 vs = _mm256_set1_ps(s);
+  _mm256_storeu_ps(out, _mm256_mul_ps(cvt8(q), vs));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(cvt8(_mm_srli_si128(q, 8)), vs));
+}
+inline void store16b(float* out, __m128i q, float s, float b) {
+  const __m256 vs = _mm256_set1_ps(s), vb = _mm256_set1_ps(b);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_mul_ps(cvt8(q), vs), vb));
+  _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_mul_ps(cvt8(_mm_srli_si128(q, 8)), vs), vb));
+}
+#include "quant_simd.h"
+}  // namespace avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+#endif
+namespace avx512 {
+inline float h2f(const uint8_t* p) { return h2f_avx2(p); }
+inline __m512 cvt16(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+inline void store16(float* out, __m128i q, float s) {
+  _mm512_storeu_ps(out, _mm512_mul_ps(cvt16(q), _mm512_set1_ps(s)));
+}
+inline void store16b(float* out, __m128i q, float s, float b) {
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(cvt16(q), _mm512_set1_ps(s)), _mm512_set1_ps(b)));
+}
+#include "quant_simd.h"
+}  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // __x86_64__
+
+int64_t best_isa() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c"))
+    return kAvx2;
+#endif
+  return kScalar;
+}
+
+const IsaKernels& isa_kernels(int64_t isa) {
+  static const IsaKernels scalar{
+      {dequant_scalar<decode_q4_0, false, 32, 18>, dequant_scalar<decode_q4_1, true, 32, 20>,
+       dequant_scalar<decode_q5_0, false, 32, 22>, dequant_scalar<decode_q5_1, true, 32, 24>,
+       dequant_scalar<decode_q8_0, false, 32, 34>, dequant_scalar<decode_q4_k, true, 256, 144>,
+       dequant_scalar<decode_q6_k, false, 256, 210>},
+      1,
+      {nullptr, tile_scalar<1>, nullptr, nullptr, nullptr}};
+#if defined(__x86_64__)
+  static const IsaKernels avx2{
+      {avx2::kDequant[0], avx2::kDequant[1], avx2::kDequant[2], avx2::kDequant[3],
+       avx2::kDequant[4], avx2::kDequant[5], avx2::kDequant[6]},
+      2,
+      {nullptr, tile_avx2<1>, tile_avx2<2>, nullptr, nullptr}};
+  static const IsaKernels avx512{
+      {avx512::kDequant[0], avx512::kDequant[1], avx512::kDequant[2], avx512::kDequant[3],
+       avx512::kDequant[4], avx512::kDequant[5], avx512::kDequant[6]},
+      4,
+      {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>}};
+  if (isa == kAvx512) return avx512;
+  if (isa == kAvx2) return avx2;
+#endif
+  return scalar;
+}
+
+}  // namespace kvserve_quant

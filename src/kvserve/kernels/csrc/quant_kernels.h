@@ -1,0 +1,90 @@
+// Shared declarations of the quantized-weight kernels (quant_*.cpp).
+//
+// A GGUF weight row (K values) is a run of blocks of `block_elems` values, `block_bytes` each.
+// Every kernel works in two stages per chunk of a row (chunk = whole blocks, <= kChunk values):
+//
+//   1. dequantize the chunk into an L1 buffer of float32, reproducing llama.cpp's / gguf-py's
+//      dequantization bit for bit (same float ops, same order). Portable path: decode
+//      (quant_formats.cpp / quant_kquants.cpp) to int8 codes plus, per group of 16 values,
+//      a float scale and bias, value[i] = float(q[i]) * scale[i / 16] (+ bias[i / 16]);
+//      16 is the finest scale granularity of any format (Q6_K). x86 paths: the same
+//      arithmetic straight from the block bytes in SIMD registers (quant_simd.h).
+//   2. multiply (per ISA, quant_isa.cpp): a register tile of up to kMaxMT activation rows x
+//      kNR weight rows over the buffer.
+// The unpacking is thus done once per weight row whatever the number of activation rows M.
+#pragma once
+
+#include <cstdint>
+
+namespace kvserve_quant {
+
+// GGML type ids (gguf.GGMLQuantizationType).
+enum QType : int64_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ6_K = 14,
+};
+
+// The `isa` argument of the ops and the result of kvserve::cpu_isa().
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+constexpr int64_t kGroup = 16;    // values per scale/bias group
+constexpr int64_t kChunk = 1024;  // values per decoded chunk: a multiple of 256 (K-quant blocks)
+constexpr int kNR = 4;            // weight rows per register tile (all ISAs)
+
+// Decode `nblocks` consecutive blocks at `src` into q[nblocks * block_elems] and
+// scale/bias[nblocks * block_elems / 16] (bias left untouched when the format has none).
+// The portable path; the x86 paths decode straight to float32 (quant_simd.h).
+using DecodeFn = void (*)(const uint8_t* src, int64_t nblocks, int8_t* q, float* scale,
+                          float* bias);
+
+// Dequantize `nblocks` consecutive blocks at `src` into out[nblocks * block_elems] (float32).
+using DequantFn = void (*)(const uint8_t* src, int64_t nblocks, float* out);
+
+constexpr int kNumFormats = 7;
+
+struct Format {
+  int64_t block_elems;
+  int64_t block_bytes;
+  bool has_bias;
+  DecodeFn decode;
+  int index;  // into IsaKernels::dequant, 0 .. kNumFormats - 1
+};
+
+// The format of a GGML type id; nullptr when it is not supported.
+const Format* find_format(int64_t qtype);
+
+// Per-format decoders (quant_formats.cpp: 32-value blocks; quant_kquants.cpp: 256-value).
+void decode_q4_0(const uint8_t*, int64_t, int8_t*, float*, float*);
+void decode_q4_1(const uint8_t*, int64_t, int8_t*, float*, float*);
+void decode_q5_0(const uint8_t*, int64_t, int8_t*, float*, float*);
+void decode_q5_1(const uint8_t*, int64_t, int8_t*, float*, float*);
+void decode_q8_0(const uint8_t*, int64_t, int8_t*, float*, float*);
+void decode_q4_k(const uint8_t*, int64_t, int8_t*, float*, float*);
+void decode_q6_k(const uint8_t*, int64_t, int8_t*, float*, float*);
+
+// out[m * ldo + r] (=, or += when accumulate) sum_k x[m * ldx + k] * w[r * ldw + k]
+// for m < MT (the tile's activation rows), r < nr <= kNR, k < kc (a multiple of 32).
+// w rows nr..kNR-1 must be readable (they are zero-filled); their results are dropped.
+using TileFn = void (*)(const float* w, int64_t ldw, const float* x, int64_t ldx, int64_t kc,
+                        float* out, int64_t ldo, int nr, bool accumulate);
+
+constexpr int kMaxMT = 4;
+
+struct IsaKernels {
+  DequantFn dequant[kNumFormats];  // by Format::index
+  int max_mt;                      // largest activation-row tile (tile[1..max_mt] are set)
+  TileFn tile[kMaxMT + 1];
+};
+
+int64_t best_isa();                        // the best ISA this CPU supports
+const IsaKernels& isa_kernels(int64_t isa);  // isa must be supported (checked by the caller)
+
+// fp16 bits -> float (portable; once per block, so speed does not matter).
+float half_to_float(uint16_t bits);
+
+}  // namespace kvserve_quant

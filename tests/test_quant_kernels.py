@@ -1,0 +1,210 @@
+"""Quantized-weight kernels (kvserve::quant_matmul, kvserve::dequantize) against outside truths.
+
+- `dequantize_ref` (PyTorch) equals gguf-py's `gguf.quants.dequantize` bit for bit;
+- the C++ `dequantize` equals `dequantize_ref` bit for bit, on every ISA path;
+- the C++ `quant_matmul` equals `reference_quant_matmul` up to float32 summation order, on
+  every ISA path the CPU has (scalar always), for tile-edge shapes (M, N not multiples of the
+  register tile; K spanning several blocks and several decode chunks);
+- `quantize` is gguf-py's quantizer; KVSERVE_KERNELS=0 routes the dispatch to the reference.
+
+Random blocks are random bytes with their fp16 scale fields replaced by sane finite values.
+A C++ build failure on a machine with a compiler is a test error, never a skip.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from kvserve.kernels import quant_ops
+from kvserve.kernels.build import build_kernels, kernels_enabled, load_kernels
+from kvserve.kernels.quant_ref import (
+    QUANTIZABLE_QTYPES,
+    SUPPORTED_QTYPES,
+    block_size,
+    dequantize_ref,
+    dequantize_rows,
+    quantize,
+    reference_quant_matmul,
+    row_bytes,
+)
+
+# Byte offsets of the fp16 fields (scales, mins) inside each block (llama.cpp's structs).
+FP16_FIELDS = {
+    QT.Q4_0: (0,),
+    QT.Q4_1: (0, 2),
+    QT.Q5_0: (0,),
+    QT.Q5_1: (0, 2),
+    QT.Q8_0: (0,),
+    QT.Q4_K: (0, 2),
+    QT.Q6_K: (208,),
+}
+ISAS = (0, 1, 2)  # scalar, avx2+fma, avx512
+M_VALUES = (1, 2, 3, 4, 5, 8, 17, 64)
+
+
+def random_blocks(qtype: QT, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 (n, row_bytes): random codes, fp16 scales of magnitude 1e-3 .. 5e-2 (either sign)."""
+    g = torch.Generator().manual_seed(seed)
+    elems, nbytes = block_size(qtype)
+    nblocks = n * (k // elems)
+    blocks = torch.randint(0, 256, (nblocks, nbytes), dtype=torch.uint8, generator=g)
+    for off in FP16_FIELDS[qtype]:
+        mag = torch.rand(nblocks, generator=g) * 0.049 + 0.001
+        sign = torch.where(torch.rand(nblocks, generator=g) < 0.5, -1.0, 1.0)
+        blocks[:, off : off + 2] = (mag * sign).half().view(torch.uint8).reshape(nblocks, 2)
+    return blocks.reshape(n, -1)
+
+
+def k_values(qtype: QT) -> tuple[int, ...]:
+    # several blocks; the largest spans more than one 1024-value decode chunk
+    return (256, 512, 768, 1280) if block_size(qtype)[0] == 256 else (32, 96, 576, 2080)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> None:
+    """The compiled extension; a build failure is an error with the compiler's message."""
+    if not kernels_enabled():
+        pytest.skip("KVSERVE_KERNELS=0 turns the C++ kernels off")
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine; the PyTorch reference is used")
+    if not load_kernels():
+        build_kernels(verbose=True)  # raises with the reason
+
+
+def supported_isas() -> list[int]:
+    return list(range(int(torch.ops.kvserve.cpu_isa()) + 1))
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_dequantize_ref_matches_gguf_exactly(qtype: QT) -> None:
+    for n, k in [(1, k_values(qtype)[0]), (7, k_values(qtype)[1]), (33, k_values(qtype)[3])]:
+        w = random_blocks(qtype, n, k, seed=n)
+        expected = gguf.quants.dequantize(w.numpy(), qtype)  # (n, k) float32
+        got = dequantize_ref(w, qtype, n, k)
+        assert got.dtype == torch.float32 and got.shape == (n, k)
+        assert np.array_equal(got.numpy(), expected), (qtype.name, n, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_kernel_dequantize_matches_ref_exactly(kernels: None, qtype: QT, isa: int) -> None:
+    if isa not in supported_isas():
+        pytest.skip(f"CPU lacks isa {isa} (test_unsupported_isa_raises covers it)")
+    for n, k in [(1, k_values(qtype)[0]), (33, k_values(qtype)[3])]:
+        w = random_blocks(qtype, n, k, seed=k)
+        got = torch.ops.kvserve.dequantize(w, int(qtype), n, k, isa)
+        assert torch.equal(got, dequantize_ref(w, qtype, n, k)), (qtype.name, isa, n, k)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_quant_matmul_matches_reference(kernels: None, qtype: QT, isa: int) -> None:
+    if isa not in supported_isas():
+        pytest.skip(f"CPU lacks isa {isa} (test_unsupported_isa_raises covers it)")
+    g = torch.Generator().manual_seed(1)
+    ks = k_values(qtype)
+    # every M against a few (N, K); N covers 1, below / above / at multiples of the 4-row tile
+    cases = [
+        (m, n, ks[i % len(ks)])
+        for i, (m, n) in enumerate((m, n) for m in M_VALUES for n in (1, 7, 33))
+    ]
+    for m, n, k in cases:
+        w = random_blocks(qtype, n, k, seed=m * 100 + n)
+        x = torch.randn(m, k, generator=g)
+        got = torch.ops.kvserve.quant_matmul(x, w, int(qtype), n, isa)
+        wf = dequantize_ref(w, qtype, n, k)
+        expected = reference_quant_matmul(x, w, qtype, n)
+        # float32 reassociation bound, elementwise: a few ulps of sum |x| |w|
+        bound = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        err = (got - expected).abs()
+        assert bool((err <= bound).all()), (qtype.name, isa, m, n, k, float((err / bound).max()))
+
+
+def test_unsupported_isa_raises(kernels: None) -> None:
+    w = random_blocks(QT.Q8_0, 4, 64)
+    x = torch.randn(2, 64)
+    best = int(torch.ops.kvserve.cpu_isa())
+    assert best in ISAS
+    for isa in range(best + 1, 3):  # empty on an AVX-512 machine
+        with pytest.raises(RuntimeError, match="not supported by this CPU"):
+            torch.ops.kvserve.quant_matmul(x, w, int(QT.Q8_0), 4, isa)
+    with pytest.raises(RuntimeError, match="isa must be"):
+        torch.ops.kvserve.quant_matmul(x, w, int(QT.Q8_0), 4, 7)
+
+
+def test_bad_inputs_raise(kernels: None) -> None:
+    w = random_blocks(QT.Q4_0, 4, 64)
+    with pytest.raises(RuntimeError, match="unsupported GGML quantization type 10"):
+        torch.ops.kvserve.quant_matmul(torch.randn(1, 64), w, 10, 4)
+    with pytest.raises(RuntimeError, match=r"must be \(4, 54\), got \[4, 36\]"):
+        torch.ops.kvserve.quant_matmul(torch.randn(1, 96), w, int(QT.Q4_0), 4)
+    with pytest.raises(ValueError, match="unsupported quantization type Q2_K"):
+        dequantize_ref(w, QT.Q2_K, 4, 256)
+
+
+def test_meta_kernels_give_shapes(kernels: None) -> None:
+    w = random_blocks(QT.Q4_K, 5, 512).to("meta")
+    y = torch.ops.kvserve.quant_matmul(torch.empty(3, 512, device="meta"), w, int(QT.Q4_K), 5)
+    assert y.device.type == "meta" and y.shape == (3, 5) and y.dtype == torch.float32
+    d = torch.ops.kvserve.dequantize(w, int(QT.Q4_K), 5, 512)
+    assert d.device.type == "meta" and d.shape == (5, 512)
+
+
+def test_dispatch_dtypes_and_leading_dims(kernels: None) -> None:
+    w = random_blocks(QT.Q4_1, 33, 96)
+    x = torch.randn(2, 3, 96).to(torch.bfloat16)
+    y = quant_ops.quant_matmul(x, w, QT.Q4_1, 33, use_kernel=True)
+    expected = reference_quant_matmul(x.float().reshape(6, 96), w, QT.Q4_1, 33).reshape(2, 3, 33)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 33)
+    # float32 inside, one bf16 rounding out: within half a bf16 ulp of the float32 result
+    torch.testing.assert_close(y.float(), expected, rtol=2**-8, atol=1e-6)
+    info = quant_ops.kernel_info()
+    assert info.available and info.isa == int(torch.ops.kvserve.cpu_isa())
+
+
+def test_kernels_off_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVE_KERNELS", "0")
+    assert not quant_ops.kernels_available()
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return reference_quant_matmul(*args)
+
+    monkeypatch.setattr(quant_ops, "reference_quant_matmul", spy)
+    w = random_blocks(QT.Q8_0, 7, 64)
+    x = torch.randn(3, 64, dtype=torch.float16)
+    y = quant_ops.quant_matmul(x, w, QT.Q8_0, 7, use_kernel=quant_ops.kernels_available())
+    assert len(calls) == 1 and y.dtype == torch.float16 and y.shape == (3, 7)
+    info = quant_ops.kernel_info()
+    assert not info.enabled and not info.available and info.isa is None
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE_QTYPES, ids=lambda t: t.name)
+def test_quantize_is_gguf_and_round_trips(qtype: QT) -> None:
+    w = torch.randn(9, 128, generator=torch.Generator().manual_seed(3))
+    q = quantize(w, qtype)
+    assert q.dtype == torch.uint8 and q.shape == (9, row_bytes(qtype, 128))
+    assert np.array_equal(q.numpy(), gguf.quants.quantize(w.numpy(), qtype))
+    back = dequantize_ref(q, qtype, 9, 128)
+    assert np.array_equal(back.numpy(), gguf.quants.dequantize(q.numpy(), qtype))
+    # each value within one quantization step of its block's range
+    blocks = w.reshape(-1, 32)
+    levels = {QT.Q8_0: 127, QT.Q4_0: 7, QT.Q4_1: 15, QT.Q5_0: 15, QT.Q5_1: 31}[qtype]
+    step = (blocks.abs().amax(-1, keepdim=True) * 2 / levels).expand_as(blocks)
+    assert bool(((back.reshape(-1, 32) - blocks).abs() <= step).all())
+
+
+def test_dequantize_rows_is_an_embedding_lookup() -> None:
+    table = random_blocks(QT.Q8_0, 50, 64)
+    ids = torch.tensor([[3, 49, 3], [0, 7, 12]])
+    rows = dequantize_rows(table, QT.Q8_0, ids, 64)
+    assert rows.shape == (2, 3, 64)
+    assert torch.equal(rows, dequantize_ref(table, QT.Q8_0, 50, 64)[ids])
