@@ -18,15 +18,19 @@ from kvserve.session import ModelSession
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory) -> ModelSession:
+# "dense": float32 weights, oneDNN-packed, eager step. "q8_0": the same checkpoint quantized at
+# load, multiplied by the C++ kernels, with the engine's step compiled (torch.compile) -- every
+# equivalence below then holds the compiled step to the eager reference decoders.
+@pytest.fixture(scope="module", params=["dense", "q8_0"])
+def session(request, tmp_path_factory) -> ModelSession:
     path, _ = make_hf_checkpoint(
         tmp_path_factory.mktemp("engine"),
         "llama",
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
-    return ModelSession.open(path, "float32", "cpu")
+    quantization = None if request.param == "dense" else request.param
+    return ModelSession.open(path, "float32", "cpu", quantization=quantization)
 
 
 def reference_tokens(session: ModelSession, prompt: list[int], max_tokens: int) -> list[int]:

@@ -157,34 +157,46 @@ def test_meta_kernels_give_shapes(kernels: None) -> None:
     assert d.device.type == "meta" and d.shape == (5, 512)
 
 
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_policy_paths_agree(kernels: None, rows: int) -> None:
+    # kernel up to 4 rows, C++ dequantize + F.linear above, and the pure-PyTorch reference
+    w = random_blocks(QT.Q4_1, 33, 96)
+    x = torch.randn(rows, 96)
+    fast = quant_ops.QuantPolicy(use_kernels=True, kernel_max_rows=4)
+    assert fast.path(rows) == ("kernel" if rows <= 4 else "dequant+matmul")
+    want = quant_ops.quant_linear(x, w, QT.Q4_1, 33, quant_ops.REFERENCE_POLICY)
+    torch.testing.assert_close(want, reference_quant_matmul(x, w, QT.Q4_1, 33), atol=0, rtol=0)
+    got = quant_ops.quant_linear(x, w, QT.Q4_1, 33, fast)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_dispatch_dtypes_and_leading_dims(kernels: None) -> None:
     w = random_blocks(QT.Q4_1, 33, 96)
     x = torch.randn(2, 3, 96).to(torch.bfloat16)
-    y = quant_ops.quant_matmul(x, w, QT.Q4_1, 33, use_kernel=True)
+    policy = quant_ops.QuantPolicy(use_kernels=True)
+    y = quant_ops.quant_linear(x, w, QT.Q4_1, 33, policy)
     expected = reference_quant_matmul(x.float().reshape(6, 96), w, QT.Q4_1, 33).reshape(2, 3, 33)
     assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 33)
     # float32 inside, one bf16 rounding out: within half a bf16 ulp of the float32 result
     torch.testing.assert_close(y.float(), expected, rtol=2**-8, atol=1e-6)
-    info = quant_ops.kernel_info()
-    assert info.available and info.isa == int(torch.ops.kvserve.cpu_isa())
 
 
 def test_kernels_off_uses_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVE_KERNELS", "0")
-    assert not quant_ops.kernels_available()
+    assert not load_kernels()
     calls = []
 
     def spy(*args):
         calls.append(args)
-        return reference_quant_matmul(*args)
+        return dequantize_ref(*args)
 
-    monkeypatch.setattr(quant_ops, "reference_quant_matmul", spy)
+    monkeypatch.setattr(quant_ops, "dequantize_ref", spy)
     w = random_blocks(QT.Q8_0, 7, 64)
     x = torch.randn(3, 64, dtype=torch.float16)
-    y = quant_ops.quant_matmul(x, w, QT.Q8_0, 7, use_kernel=quant_ops.kernels_available())
+    y = quant_ops.quant_linear(x, w, QT.Q8_0, 7, quant_ops.REFERENCE_POLICY)
     assert len(calls) == 1 and y.dtype == torch.float16 and y.shape == (3, 7)
-    info = quant_ops.kernel_info()
-    assert not info.enabled and not info.available and info.isa is None
+    want = reference_quant_matmul(x.float(), w, QT.Q8_0, 7).to(torch.float16)
+    torch.testing.assert_close(y, want, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE_QTYPES, ids=lambda t: t.name)

@@ -9,15 +9,20 @@ and describes each request by its ``seq_len`` (tokens cached after this step, th
 included) and its block table. ``PagedAttention`` writes this step's K/V at ``slot_mapping``
 and then attends:
 
-- decodes, in groups of DECODE_GROUP requests of similar length (the runner sorts them):
-  gather each request's blocks into (B, S, kv_heads, head_dim), mask keys past its length,
-  one SDPA call per group with the query heads folded into their KV groups (small groups
-  measured ~3x faster than one call over 64 requests on CPU, and pad less);
+- decodes, on CPU with the C++ kernel loaded: ``kvserve::paged_decode_attention`` reads
+  every request's K/V in place through its block table (kernels/paged_attention_ops.py;
+  3-5x faster than the gather below at every shape benchmarks/paged_attention.py covers);
+- otherwise (no kernel, KVSERVE_KERNELS=0, CUDA) ``sdpa_decode``: in groups of DECODE_GROUP
+  requests of similar length (the runner sorts them), gather each request's blocks into
+  (B, S, kv_heads, head_dim), mask keys past its length, one SDPA call per group with the
+  query heads folded into their KV groups (small groups measured ~3x faster than one call
+  over 64 requests on CPU, and pad less);
 - prefill chunks, one request at a time: gather its blocks, causal attention whose offset
   is the number of tokens already cached (new tokens see the cached prefix plus earlier new
   tokens).
 
-``reference_paged_attention`` is the plain per-request version the fast one is tested against.
+``reference_paged_attention`` is the plain per-request version the fast ones are tested
+against.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import causal_attention
+from kvserve.kernels.paged_attention_ops import decode_kernel_available, paged_decode_attention
 from kvserve.kv.storage import KVCacheStorage
 
 
@@ -66,12 +72,52 @@ def _attend_one(
 DECODE_GROUP = 8  # decodes attended per SDPA call (measured best of 4, 8, 16, 32)
 
 
-class PagedAttention:
-    """The ``AttentionBackend`` of one engine step."""
+def sdpa_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: list[int],
+    seq_lens_tensor: torch.Tensor,
+) -> torch.Tensor:
+    """Decodes q (B, heads, head_dim), one query each, over gathered blocks: the PyTorch twin
+    of ``paged_decode_attention`` (same arguments; seq_lens also as a list, so no sync)."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    # groups of DECODE_GROUP: each gathers and pads only to its own longest context (the
+    # runner sorts decodes by length, so groups are similar)
+    for lo in range(0, q.shape[0], DECODE_GROUP):
+        hi = min(q.shape[0], lo + DECODE_GROUP)
+        nb = -(-max(seq_lens[lo:hi]) // block_size)
+        table = block_tables[lo:hi, :nb]  # (b, nb)
+        # (b, nb, bs, kvh, D) -> (b, kvh, S, D)
+        k = k_cache[table].flatten(1, 2).transpose(1, 2)
+        v = v_cache[table].flatten(1, 2).transpose(1, 2)
+        b, kvh, s, d = k.shape
+        qg = q[lo:hi].view(b, kvh, -1, d)  # (b, kvh, group, D)
+        visible = torch.arange(s, device=q.device)[None, :] < seq_lens_tensor[lo:hi, None]
+        o = F.scaled_dot_product_attention(
+            qg, k, v, attn_mask=visible[:, None, None, :], scale=d**-0.5
+        )  # (b, kvh, group, D)
+        out[lo:hi] = o.reshape(b, -1, d)
+    return out
 
-    def __init__(self, storage: KVCacheStorage, metadata: AttentionMetadata) -> None:
+
+class PagedAttention:
+    """The ``AttentionBackend`` of one engine step.
+
+    ``use_kernel``: attend decodes with the C++ kernel (None: whenever it is loaded and the
+    cache is on CPU); False takes the grouped-SDPA path.
+    """
+
+    def __init__(
+        self, storage: KVCacheStorage, metadata: AttentionMetadata, use_kernel: bool | None = None
+    ) -> None:
         self.storage = storage
         self.md = metadata
+        if use_kernel is None:
+            use_kernel = decode_kernel_available(storage.kv.device)
+        self.use_kernel = use_kernel
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -79,38 +125,22 @@ class PagedAttention:
         self.storage.write(layer_idx, self.md.slot_mapping, k, v)
         out = torch.empty_like(q)
         nd = self.md.num_decodes
-        # decodes in groups of DECODE_GROUP: each gathers and pads only to its own longest
-        # context (the runner sorts decodes by length, so groups are similar)
-        for lo in range(0, nd, DECODE_GROUP):
-            hi = min(nd, lo + DECODE_GROUP)
-            out[lo:hi] = self._decode(layer_idx, q[lo:hi], lo)
+        if nd:
+            out[:nd] = self._decode(layer_idx, q[:nd])
         for i in range(nd, self.md.num_reqs):  # prefill chunks: one request at a time
             out[self.md.query_start_loc[i] : self.md.query_start_loc[i + 1]] = _attend_one(
                 self.storage, self.md, layer_idx, i, q
             )
         return out
 
-    def _decode(self, layer_idx: int, q: torch.Tensor, first: int) -> torch.Tensor:
-        """Decode requests [first, first + B): q (B, heads, head_dim), one query each."""
-        md, last = self.md, first + q.shape[0]
+    def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Decode requests [0, B): q (B, heads, head_dim), one query each."""
+        md, nd = self.md, q.shape[0]
         k_cache, v_cache = self.storage.key_cache(layer_idx), self.storage.value_cache(layer_idx)
-        block_size = k_cache.shape[1]
-        max_len = max(md.seq_lens[first:last])
-        nb = -(-max_len // block_size)
-        table = md.block_tables[first:last, :nb]  # (B, nb)
-        # (B, nb, bs, kvh, D) -> (B, kvh, S, D)
-        k = k_cache[table].flatten(1, 2).transpose(1, 2)
-        v = v_cache[table].flatten(1, 2).transpose(1, 2)
-        b, kvh, s, d = k.shape
-        group = q.shape[1] // kvh
-        qg = q.view(b, kvh, group, d)
-        visible = (
-            torch.arange(s, device=q.device)[None, :] < md.seq_lens_tensor[first:last, None]
-        )  # (B, S)
-        out = F.scaled_dot_product_attention(
-            qg, k, v, attn_mask=visible[:, None, None, :], scale=d**-0.5
-        )
-        return out.reshape(b, kvh * group, d)
+        tables, lens = md.block_tables[:nd], md.seq_lens_tensor[:nd]
+        if self.use_kernel:
+            return paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
+        return sdpa_decode(q, k_cache, v_cache, tables, md.seq_lens[:nd], lens)
 
 
 def reference_paged_attention(

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kernels.fake_ops import register_fakes
+
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "kvserve_kernels"
@@ -86,6 +88,7 @@ def _load(enabled: bool) -> bool:
         return False
     try:
         build_kernels()
+        register_fakes()
     except Exception as e:  # noqa: BLE001 - any build/load failure means "use the reference"
         reason = " ".join(str(e).split())[-300:]  # one line: compiler output can be long
         logger.warning(

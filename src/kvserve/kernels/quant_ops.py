@@ -1,7 +1,14 @@
-"""Dispatch of quantized-weight matmuls: the C++ kernel or its PyTorch reference.
+"""Quantized-weight matmuls: which path a call takes, and the call.
 
-The caller decides once (at model load) whether to use the kernel, normally
-`use_kernel=kernels_available()`, and passes that flag on every call: a decode step makes
+``x @ dequantize(qweight).T`` in float32 by one of three paths:
+
+- ``kernel``: the C++ kernel that dequantizes inside the dot product
+  (``torch.ops.kvserve.quant_matmul``), for up to ``policy.kernel_max_rows`` rows;
+- ``dequant+matmul``: the C++ dequantizer into a float32 weight, then ``F.linear`` (oneDNN);
+- ``reference``: the pure-PyTorch dequantizer, then ``F.linear`` -- the fallback wherever the
+  extension did not build or is turned off, and the truth the kernels are tested against.
+
+The policy is decided once per weight at load (models/weight_formats.py); a decode step makes
 ~200 of these calls, so the hot path is a reshape, a dtype check and the op itself.
 """
 
@@ -10,68 +17,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from kvserve.kernels.build import ISA_NAMES, cache_dir, kernels_enabled, load_kernels
-from kvserve.kernels.quant_ref import dequantize_ref, reference_quant_matmul
-
-
-def kernels_available() -> bool:
-    """True when the C++ ops are loaded and not turned off by KVSERVE_KERNELS=0."""
-    return load_kernels()
-
-
-def quant_matmul(
-    x: torch.Tensor, qweight: torch.Tensor, qtype: int, n: int, *, use_kernel: bool
-) -> torch.Tensor:
-    """x (..., K) @ dequantize(qweight (n, row_bytes)).T -> (..., n) in x's dtype.
-
-    Computed in float32 whatever x's dtype (bf16/f16 activations are converted in and out).
-    """
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    if use_kernel:
-        y = torch.ops.kvserve.quant_matmul(x2.contiguous(), qweight, int(qtype), n)
-    else:
-        y = reference_quant_matmul(x2, qweight, qtype, n)
-    return y.reshape(*lead, n).to(x.dtype)
-
-
-def dequantize(
-    qweight: torch.Tensor, qtype: int, n: int, k: int, *, use_kernel: bool
-) -> torch.Tensor:
-    """uint8 (n, row_bytes) -> float32 (n, k): the C++ op (parallel) or the reference."""
-    if use_kernel:
-        return torch.ops.kvserve.dequantize(qweight, int(qtype), n, k)
-    return dequantize_ref(qweight, qtype, n, k)
+from kvserve.kernels.quant_ref import dequantize_ref
 
 
 @dataclass(frozen=True, slots=True)
-class KernelInfo:
-    """What `kvserve info` reports about the C++ kernels."""
+class QuantPolicy:
+    """How the quantized layers of one model multiply. Built once at load."""
 
-    enabled: bool  # False when KVSERVE_KERNELS=0
-    available: bool  # built and loaded (and enabled)
-    isa: int | None  # best ISA path the CPU supports (kvserve::cpu_isa), None if not loaded
-    isa_name: str
-    cache_dir: str
+    use_kernels: bool  # the C++ extension is loaded (else: the PyTorch reference)
+    isa: int = -1  # kernel ISA: -1 best the CPU has, 0 scalar, 1 AVX2+FMA, 2 AVX-512
+    kernel_max_rows: int = 16  # rows up to which the fused kernel runs; above: dequant+matmul
 
-    def summary(self) -> str:
-        if not self.enabled:
-            return "C++ kernels: disabled (KVSERVE_KERNELS=0), PyTorch reference"
-        if not self.available:
-            return "C++ kernels: not available (build failed), PyTorch reference"
-        return f"C++ kernels: loaded, ISA {self.isa_name} (cache {self.cache_dir})"
+    def __post_init__(self) -> None:
+        if self.isa not in (-1, 0, 1, 2):
+            raise ValueError(f"isa must be -1, 0, 1 or 2, got {self.isa}")
+        if self.kernel_max_rows < 0:
+            raise ValueError(f"kernel_max_rows must be >= 0, got {self.kernel_max_rows}")
+
+    def path(self, rows: int) -> str:
+        if not self.use_kernels:
+            return "reference"
+        return "kernel" if rows <= self.kernel_max_rows else "dequant+matmul"
 
 
-def kernel_info() -> KernelInfo:
-    available = kernels_available()
-    isa = int(torch.ops.kvserve.cpu_isa()) if available else None
-    return KernelInfo(
-        enabled=kernels_enabled(),
-        available=available,
-        isa=isa,
-        isa_name=ISA_NAMES[isa] if isa is not None else "none",
-        cache_dir=str(cache_dir()),
-    )
+REFERENCE_POLICY = QuantPolicy(use_kernels=False)
+
+
+def quant_linear(
+    x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int, policy: QuantPolicy
+) -> torch.Tensor:
+    """(..., K) activations times a quantized (N, K) weight -> (..., N) in x's dtype."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)  # (M, K)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    path = policy.path(x2.shape[0])
+    if path == "kernel":
+        y = torch.ops.kvserve.quant_matmul(
+            x2.contiguous(), qweight, qtype, out_features, policy.isa
+        )
+    elif path == "dequant+matmul":
+        y = F.linear(x2, torch.ops.kvserve.dequantize(qweight, qtype, out_features, k))
+    else:
+        y = F.linear(x2, dequantize_ref(qweight, qtype, out_features, k))
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)

@@ -110,7 +110,6 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.steps = EAGER_STEPS  # compiled_steps.compile_model may replace them
 
     @property
     def dtype(self) -> torch.dtype:
@@ -122,12 +121,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm.weight.device
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        steps: LayerSteps = EAGER_STEPS,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
+        """input_ids, positions: (T,) -> final hidden states (T, hidden).
+
+        ``steps``: the layer halves to run (eager, or compiled by engine/compiled_steps.py).
+        """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        before, after = self.steps.before_attention, self.steps.after_attention
+        before, after = steps.before_attention, steps.after_attention
         for layer in self.model.layers:
             q, k, v = before(layer, x, cos, sin)
             x = after(layer, x, attn(layer.self_attn.layer_idx, q, k, v))

@@ -21,62 +21,14 @@ Which of the first two is faster at which row count is measured on the machine
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.kernels.quant_ref import (
-    block_size as quant_block_size,
-)
-from kvserve.kernels.quant_ref import (
-    dequantize_ref,
-    dequantize_rows,
-)
-
-
-@dataclass(frozen=True, slots=True)
-class QuantPolicy:
-    """How the quantized layers of one model multiply. Built once at load."""
-
-    use_kernels: bool  # the C++ extension is loaded (else: the PyTorch reference)
-    isa: int = -1  # kernel ISA: -1 best the CPU has, 0 scalar, 1 AVX2+FMA, 2 AVX-512
-    kernel_max_rows: int = 16  # rows up to which the fused kernel runs; above: dequant+matmul
-
-    def __post_init__(self) -> None:
-        if self.isa not in (-1, 0, 1, 2):
-            raise ValueError(f"isa must be -1, 0, 1 or 2, got {self.isa}")
-        if self.kernel_max_rows < 0:
-            raise ValueError(f"kernel_max_rows must be >= 0, got {self.kernel_max_rows}")
-
-    def path(self, rows: int) -> str:
-        if not self.use_kernels:
-            return "reference"
-        return "kernel" if rows <= self.kernel_max_rows else "dequant+matmul"
-
-
-REFERENCE_POLICY = QuantPolicy(use_kernels=False)
-
-
-def quant_linear(
-    x: torch.Tensor, qweight: torch.Tensor, qtype: int, out_features: int, policy: QuantPolicy
-) -> torch.Tensor:
-    """(..., K) activations times a quantized (N, K) weight -> (..., N) in x's dtype."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)  # (M, K)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    path = policy.path(x2.shape[0])
-    if path == "kernel":
-        y = torch.ops.kvserve.quant_matmul(
-            x2.contiguous(), qweight, qtype, out_features, policy.isa
-        )
-    elif path == "dequant+matmul":
-        y = F.linear(x2, torch.ops.kvserve.dequantize(qweight, qtype, out_features, k))
-    else:
-        y = F.linear(x2, dequantize_ref(qweight, qtype, out_features, k))
-    return y.to(x.dtype).view(*x.shape[:-1], out_features)
+from kvserve.kernels.quant_ops import QuantPolicy, quant_linear
+from kvserve.kernels.quant_ref import block_size as quant_block_size
+from kvserve.kernels.quant_ref import dequantize_ref, dequantize_rows
 
 
 class QuantizedLinear(nn.Module):

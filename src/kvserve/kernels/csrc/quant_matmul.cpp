@@ -61,7 +61,7 @@ const Format& checked_format(int64_t qtype) {
   return *f;
 }
 
-// Shape/dtype checks shared by the CPU and Meta kernels; returns the format.
+// Shape/dtype checks of the CPU kernels; returns the format.
 const Format& check_weight(const at::Tensor& qweight, int64_t qtype, int64_t n, int64_t k) {
   const Format& f = checked_format(qtype);
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2,
@@ -149,19 +149,9 @@ at::Tensor dequantize_cpu(const at::Tensor& qweight, int64_t qtype, int64_t out_
   return out;
 }
 
-// Meta (fake) kernels: shapes only, so torch.compile / FakeTensor can trace the ops.
-at::Tensor quant_matmul_meta(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
-                             int64_t out_features, int64_t) {
-  TORCH_CHECK(x.dim() == 2, "kvserve: x must be 2-D, got ", x.sizes());
-  check_weight(qweight, qtype, out_features, x.size(1));
-  return at::empty({x.size(0), out_features}, x.options().dtype(at::kFloat));
-}
-
-at::Tensor dequantize_meta(const at::Tensor& qweight, int64_t qtype, int64_t out_features,
-                           int64_t in_features, int64_t) {
-  check_weight(qweight, qtype, out_features, in_features);
-  return at::empty({out_features, in_features}, qweight.options().dtype(at::kFloat));
-}
+// No Meta kernels here: the fake (shape) functions are registered from Python
+// (kvserve/kernels/fake_ops.py) because torch.compile needs them to keep the token count
+// symbolic; a C++ Meta kernel reading x.size(0) as an int specializes every batch size.
 
 int64_t cpu_isa() { return best_isa(); }
 
@@ -182,7 +172,4 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("dequantize", &kvserve_quant::dequantize_cpu);
 }
 
-TORCH_LIBRARY_IMPL(kvserve, Meta, m) {
-  m.impl("quant_matmul", &kvserve_quant::quant_matmul_meta);
-  m.impl("dequantize", &kvserve_quant::dequantize_meta);
-}
+

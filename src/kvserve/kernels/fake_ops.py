@@ -1,0 +1,30 @@
+"""Fake (shape-only) implementations of the C++ ops, for torch.compile and meta tensors.
+
+They live in Python, not as C++ Meta kernels, because a C++ kernel that reads ``x.size(0)``
+as an integer forces torch.compile to specialize on every token count (one recompile per
+batch size, measured); these keep sizes symbolic. Registered once, right after the library
+loads (build.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.kernels.quant_ref import row_bytes
+
+
+def register_fakes() -> None:
+    """Register the fake of every op the library defines (call once per process)."""
+
+    @torch.library.register_fake("kvserve::quant_matmul")
+    def _quant_matmul(x, qweight, qtype, out_features, isa=-1):
+        torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
+        torch._check(
+            tuple(qweight.shape) == (out_features, row_bytes(qtype, x.shape[1])),
+            lambda: f"qweight {tuple(qweight.shape)} does not fit ({out_features}, {x.shape[1]})",
+        )
+        return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+    @torch.library.register_fake("kvserve::dequantize")
+    def _dequantize(qweight, qtype, out_features, in_features, isa=-1):
+        return qweight.new_empty((out_features, in_features), dtype=torch.float32)

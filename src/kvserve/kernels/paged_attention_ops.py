@@ -1,0 +1,70 @@
+"""The paged decode attention kernel (`csrc/paged_attention.cpp`) from Python, and the choice
+of when ``PagedAttention`` uses it.
+
+``torch.ops.kvserve.paged_decode_attention`` attends one query token per request directly
+over the paged K/V cache (no gather); its slow twin is the grouped-SDPA decode of
+``kvserve.paged_attention`` (gather the blocks, mask, SDPA), which stays the fallback (no
+compiler, ``KVSERVE_KERNELS=0``) and the CUDA path.
+
+The kernel is used for every CPU decode batch: benchmarks/paged_attention.py measured it
+faster at every shape of the default model it covers (B 1, 8, 64; context 128..2048; float32
+3.0-4.2x, bfloat16 4.2-5.3x on AVX-512, 2.5-3.5x on the AVX2 path; one thread, Zen 5), so
+there is no shape where the gather path is kept by choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from kvserve.kernels.build import load_kernels
+from kvserve.platform import CPU_FEATURES_ENV, detect_cpu_features
+
+ISA_BEST, ISA_SCALAR, ISA_AVX2, ISA_AVX512 = -1, 0, 1, 2
+
+
+@functools.cache
+def _isa_for_cap(cap: str) -> int:
+    features = detect_cpu_features(cap)
+    if features.avx512:
+        return ISA_AVX512
+    return ISA_AVX2 if features.avx2 and features.fma else ISA_SCALAR
+
+
+def default_isa() -> int:
+    """The kernel path to run: the CPU's best, or less under KVSERVE_CPU_FEATURES (avx2/none),
+    so a capped run exercises the path a smaller machine would take."""
+    cap = os.environ.get(CPU_FEATURES_ENV, "")
+    return _isa_for_cap(cap) if cap else ISA_BEST
+
+
+def decode_kernel_available(device: torch.device) -> bool:
+    """True when the C++ decode kernel can serve a cache on ``device`` (CPU, extension loaded,
+    KVSERVE_KERNELS not 0)."""
+    return device.type == "cpu" and load_kernels()
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    isa: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache, read in place.
+
+    q: (B, num_heads, head_dim), one query token per request; key_cache / value_cache:
+    (num_blocks, block_size, num_kv_heads, head_dim), contiguous, float32 / bfloat16 / float16;
+    block_tables: (B, max_blocks) int64, padded; seq_lens: (B,) int64, tokens visible (this
+    step's included). Query head h uses kv head h // (num_heads // num_kv_heads). Returns
+    (B, num_heads, head_dim) in q's dtype. ``isa``: None = ``default_isa()``, -1 best,
+    0 scalar, 1 AVX2, 2 AVX-512 (one the CPU lacks raises).
+    """
+    isa = default_isa() if isa is None else isa
+    return torch.ops.kvserve.paged_decode_attention(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, isa
+    )
