@@ -127,7 +127,10 @@ def quantize_linears(model: nn.Module, quantization: str) -> dict[str, Quantized
         )
     qtype = int(QUANTIZATIONS[quantization])
     out: dict[str, QuantizedTensor] = {}
+    tied = getattr(model.config, "tie_word_embeddings", False)
     for name, module in model.named_modules():
+        if tied and name == "lm_head":
+            continue  # the embedding's bytes serve both (finalize_weights)
         if isinstance(module, nn.Linear | nn.Embedding) and module.weight.shape[1] % 32 == 0:
             w = module.weight.detach().float()
             out[f"{name}.weight"] = QuantizedTensor(quantize(w, qtype), qtype, tuple(w.shape))
