@@ -32,7 +32,7 @@ def test_quantized_at_load_equals_transformers_on_the_rounded_weights(
     assert loaded.weights.tensors_by_format == {qtype.name: linears}
     # the reference: transformers with every matrix replaced by dequantize(quantize(W))
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for p in hf.parameters():
             if p.ndim == 2:
                 q = quantize(p.detach(), qtype)
                 p.copy_(dequantize_ref(q, qtype, p.shape[0], p.shape[1]))
