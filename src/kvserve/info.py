@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvserve.kernels.build import ISA_NAMES, cache_dir, kernels_enabled, load_kernels
-from kvserve.models.weight_formats import kernel_isa
 from kvserve.platform import (
     auto_dtype,
     default_device,
     detect_cpu_features,
+    kernel_isa,
     measure_memory_bandwidth,
 )
 

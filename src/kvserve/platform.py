@@ -131,6 +131,16 @@ def detect_cpu_features(cap: str | None = None) -> CpuFeatures:
     return _cap(features, cap) if cap else features
 
 
+def kernel_isa(features: CpuFeatures) -> int:
+    """The ISA kvserve's C++ kernels run with (their ``isa`` argument): 2 AVX-512 (F, BW, VL,
+    DQ), 1 AVX2 + FMA, 0 portable scalar. Follows a KVSERVE_CPU_FEATURES cap."""
+    if features.avx512:
+        return 2
+    if features.avx2 and features.fma:
+        return 1
+    return 0
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 

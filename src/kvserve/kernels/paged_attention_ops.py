@@ -20,17 +20,14 @@ import os
 import torch
 
 from kvserve.kernels.build import load_kernels
-from kvserve.platform import CPU_FEATURES_ENV, detect_cpu_features
+from kvserve.platform import CPU_FEATURES_ENV, detect_cpu_features, kernel_isa
 
-ISA_BEST, ISA_SCALAR, ISA_AVX2, ISA_AVX512 = -1, 0, 1, 2
+ISA_BEST = -1  # the kernels pick the best path the CPU has
 
 
 @functools.cache
 def _isa_for_cap(cap: str) -> int:
-    features = detect_cpu_features(cap)
-    if features.avx512:
-        return ISA_AVX512
-    return ISA_AVX2 if features.avx2 and features.fma else ISA_SCALAR
+    return kernel_isa(detect_cpu_features(cap))
 
 
 def default_isa() -> int:

@@ -35,7 +35,7 @@ from kvserve.models.quantized_linear import (
     QuantPolicy,
     measure_kernel_max_rows,
 )
-from kvserve.platform import CpuFeatures
+from kvserve.platform import CpuFeatures, kernel_isa
 
 logger = logging.getLogger(__name__)
 
@@ -84,15 +84,6 @@ def resident_bytes(model: nn.Module) -> int:
         if isinstance(m, PackedLinear):
             total += m.packed.numel() * m.packed.element_size()
     return total
-
-
-def kernel_isa(features: CpuFeatures) -> int:
-    """The kernel ISA from what the CPU does (respects a KVSERVE_CPU_FEATURES cap)."""
-    if features.avx512:
-        return 2
-    if features.avx2 and features.fma:
-        return 1
-    return 0
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
