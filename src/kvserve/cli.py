@@ -70,6 +70,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="KV cache size in blocks (overrides --kv-cache-memory)",
     )
     p.add_argument("--block-size", type=int, default=_CACHE.block_size)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model step eagerly (no torch.compile; starts faster, steps slower)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--max-num-seqs", type=int, default=_SCHED.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=_SCHED.max_num_batched_tokens)
@@ -142,6 +147,7 @@ def _llm(args: argparse.Namespace, session: ModelSession) -> LLM:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
+        enforce_eager=args.enforce_eager,
     )
 
 
@@ -335,6 +341,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         quantization=args.quantization,
+        enforce_eager=args.enforce_eager,
         cache=_cache_config(args),
         scheduler=_scheduler_config(args),
     )

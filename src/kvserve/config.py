@@ -58,6 +58,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA and native-bf16 CPUs, else float32
     device: str | None = None  # None: cuda if available, else cpu
     quantization: str | None = None  # "q8_0" | "q4_0": quantize float weights at load
+    enforce_eager: bool = False  # True: no torch.compile of the model step
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False  # progress bar while loading weights

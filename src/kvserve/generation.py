@@ -14,10 +14,10 @@ from typing import Protocol
 
 import torch
 
-from kvserve.engine.output import append_token, make_output
+from kvserve.engine.output import append_token, take_text_delta
 from kvserve.engine.request import Request
 from kvserve.reference import DecodeCounters
-from kvserve.sampling import SamplingParams, make_generator, sample
+from kvserve.sampling import SamplingParams, make_generator, sample_step
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -97,14 +97,16 @@ def generate(
     while True:
         if keep_logits:
             kept.append(logits.detach().clone())
-        token = sample(logits, params, req.generator)
+        # the engine's sampler with a batch of one: the same tokens and logprobs
+        sampled = sample_step([logits], [params], [req.generator])
+        token = sampled.token_ids[0]
         if first_token_at is None:
             first_token_at = time.perf_counter()
-        status = append_token(req, token, logits, limit)
+        status = append_token(req, token, sampled.logprobs[0], limit)
         if status is not None:
             req.status = status
         if on_text is not None:
-            delta = make_output(req, [token]).new_text  # holds back a possible stop string
+            delta = take_text_delta(req)  # holds back a possible stop string
             if delta:
                 on_text(delta)
         if status is not None:

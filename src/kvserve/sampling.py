@@ -1,19 +1,41 @@
-"""SamplingParams (validated) and sampling: greedy, temperature, top-k, top-p, min-p, seed.
+"""SamplingParams (validated) and the batched sampler: greedy, temperature, top-k, top-p,
+min-p, seed; the top logprobs of the model's own distribution.
 
-Filters apply in vLLM's order: temperature, then top-k, then top-p, then min-p. Greedy
-(temperature below 1e-5, as vLLM) is argmax and ignores the filters. A seed makes a request's draws
-reproducible: each request owns a ``torch.Generator`` seeded once.
+One step samples every request in one call, ``sample_batch(logits (B, V), params,
+generators)``: greedy rows are an argmax (no softmax); the other rows go through one
+vectorized pipeline with per-row parameters as tensors and one softmax. Filters apply in
+vLLM's order: temperature, then top-k, then top-p, then min-p. Greedy (temperature below
+1e-5, as vLLM) ignores the filters. The single-sequence loop calls the same code with B = 1.
+
+A draw is an exponential race, as vLLM's: token = argmax(probs / q), q ~ Exp(1) i.i.d. per
+token, which picks token i with probability probs[i]. A seeded request draws its q row from
+its own ``torch.Generator`` (seeded once), and every step of the pipeline is row-wise, so its
+tokens do not depend on what else is in the batch. Unseeded rows share the global RNG.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 MAX_N = 64  # samples per prompt
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names). Every output has the
+    step's delta (``new_token_ids``, ``new_text``, ``new_logprobs``); the whole lists
+    (``token_ids``, ``text``, ``logprobs``) cost O(tokens so far) to build, so only
+    CUMULATIVE builds them at every step."""
+
+    CUMULATIVE = 0  # every output: the delta and the whole lists so far (O(T^2) per request)
+    DELTA = 1  # every output: the delta; the final one also the whole lists (O(T))
+    FINAL_ONLY = 2  # one output, when the request finishes, with the whole lists
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # return the top-K logprobs of every generated token
     n: int = 1  # samples of one prompt; they share the prompt's KV blocks (copy-on-write)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +80,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, 20)
         _check_int("n", self.n, 1, MAX_N)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
     @property
     def greedy(self) -> bool:
@@ -92,50 +117,190 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities (vocab,) after temperature, top-k, top-p and min-p; zero outside support."""
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    x = logits.float() / params.temperature
-    vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
+class _RowParams(NamedTuple):
+    """Per-row filter parameters of the non-greedy rows, as (R, 1) columns on the device."""
+
+    temperature: torch.Tensor  # float32
+    top_k: torch.Tensor | None  # long in [1, V]: V keeps all; None when no row filters
+    top_p: torch.Tensor | None  # float32; inf keeps all; None when no row filters
+    min_p: torch.Tensor | None  # float32; 0 keeps all; None when no row filters
+    max_top_k: int  # the largest k of the rows that filter by top-k (0: none)
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], vocab: int, device: torch.device) -> _RowParams:
+        def col(values: list, dtype: torch.dtype, active: bool) -> torch.Tensor | None:
+            return torch.tensor(values, dtype=dtype, device=device)[:, None] if active else None
+
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        # top_p = 1 must keep everything, also where a cumulative sum rounds past 1.0
+        ps = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
+        mins = [p.min_p for p in params]
+        max_top_k = max((k for k in ks if k < vocab), default=0)
+        return cls(
+            col([p.temperature for p in params], torch.float32, True),
+            col(ks, torch.long, max_top_k > 0),
+            col(ps, torch.float32, any(p < math.inf for p in ps)),
+            col(mins, torch.float32, any(m > 0.0 for m in mins)),
+            max_top_k,
+        )
+
+
+def _filtered_probs(logits: torch.Tensor, rp: _RowParams) -> torch.Tensor:
+    """Non-greedy rows' logits (R, V) -> probabilities (R, V) float32 after temperature,
+    top-k, top-p and min-p, renormalised; a row whose mass is not finite and positive (all
+    -inf, nan) is the one-hot of its argmax.
+
+    Every operation is row-wise and a filter that a row does not use leaves it bit for bit
+    unchanged (no k-th value, top_p = inf, min_p = 0), so a row's result never depends on
+    the others in the batch.
+    """
+    vocab = logits.shape[-1]
+    x = logits.float() / rp.temperature  # (R, V)
+    order = None
+    if rp.top_p is not None:
+        # stable: ties are ordered by token id, whatever the batch
+        sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)  # (R, V)
+    if rp.top_k is not None:
+        # the k-th largest value; without top-p, the max_top_k largest suffice (no full sort)
+        top = sorted_x if order is not None else torch.topk(x, rp.max_top_k, dim=-1).values
+        kth = top.gather(1, rp.top_k.clamp(max=top.shape[-1]) - 1)  # (R, 1)
+        kth = kth.masked_fill(rp.top_k >= vocab, float("-inf"))  # rows without top-k
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th value are kept
+    probs = torch.softmax(x, dim=-1)  # (R, V): the one softmax, in vocab order
+    if rp.top_p is not None:
+        assert order is not None
+        # softmax is monotone, so x's order is the probabilities' order (masked ones last)
+        sorted_p = probs.gather(1, order)  # (R, V) descending
         # keep the smallest prefix whose mass reaches top_p: drop a token when the mass
         # strictly before it already reaches top_p (the most likely token is always kept)
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter_(1, order, before >= rp.top_p)
         probs = probs.masked_fill(drop, 0.0)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    total = probs.sum()
-    if not torch.isfinite(total) or total <= 0:  # degenerate logits (all -inf, nan): argmax
-        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    return probs / total
+    if rp.min_p is not None:
+        best = probs.amax(dim=-1, keepdim=True)  # (R, 1)
+        probs = probs.masked_fill(probs < rp.min_p * best, 0.0)
+    total = probs.sum(dim=-1, keepdim=True)  # (R, 1)
+    ok = torch.isfinite(total) & (total > 0)
+    fallback = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    return torch.where(ok, probs / total, fallback)
+
+
+def _exponential(
+    shape: tuple[int, int], generators: Sequence[torch.Generator | None], device: torch.device
+) -> torch.Tensor:
+    """q ~ Exp(1) of shape (R, V): a seeded row from its own generator, the rest from the
+    global RNG in one call."""
+    q = torch.empty(shape, device=device)
+    free = [i for i, g in enumerate(generators) if g is None]
+    if len(free) == len(generators):
+        return q.exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            q[i].exponential_(generator=g)
+    if free:
+        idx = torch.tensor(free, device=device)
+        q[idx] = torch.empty((len(free), shape[1]), device=device).exponential_()
+    return q
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Next token ids (B,) long from next-token logits (B, V) float32, one row per request
+    with its params and generator (None: the global RNG)."""
+    assert logits.dim() == 2 and len(params) == len(generators) == logits.shape[0]
+    tokens = logits.argmax(dim=-1)  # (B,): the greedy rows' answer, the others' overwritten
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits if len(rows) == len(params) else logits[idx]  # (R, V)
+    rp = _RowParams.of([params[i] for i in rows], logits.shape[-1], logits.device)
+    probs = _filtered_probs(sub, rp)
+    q = _exponential(tuple(probs.shape), [generators[i] for i in rows], logits.device)
+    # q == 0 would make 0 / 0 = nan, which argmax would pick: keep q positive
+    drawn = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)  # (R,)
+    return tokens.index_copy_(0, idx, drawn)
+
+
+def batch_logprobs(
+    logits: torch.Tensor, ks: Sequence[int | None], tokens: torch.Tensor | None = None
+) -> list[dict[int, float] | None]:
+    """Per row of logits (B, V): None where ``ks[i]`` is None; else the ``ks[i]`` most likely
+    tokens of the model's own distribution (before any filter), best first (ties by token
+    id), then, as vLLM, the sampled ``tokens[i]`` when it is not among them (k + 1 entries)."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    out: list[dict[int, float] | None] = [None] * len(ks)
+    if not rows:
+        return out
+    idx = torch.tensor(rows, device=logits.device)
+    sub = logits if len(rows) == len(ks) else logits[idx]  # (R, V)
+    logp = torch.log_softmax(sub.float(), dim=-1)  # (R, V)
+    k_max = max(ks[i] for i in rows)  # type: ignore[type-var]
+    values, ids = torch.topk(logp, k_max, dim=-1)  # (R, k_max), best first
+    # ties (common with bfloat16 logits) in token id order, as argmax breaks them: a greedy
+    # token is then first among the logprobs that equal its own
+    ids, perm = ids.sort(dim=-1)
+    values, perm = values.gather(1, perm).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, perm)
+    # one transfer to Python for the whole batch
+    values_l, ids_l = values.tolist(), ids.tolist()
+    chosen_l: list[list[float]] = []
+    toks_l: list[int] = []
+    if tokens is not None:
+        toks = tokens[idx]  # (R,)
+        chosen_l, toks_l = logp.gather(1, toks[:, None]).tolist(), toks.tolist()
+    for r, i in enumerate(rows):
+        k = ks[i]
+        top = dict(zip(ids_l[r][:k], values_l[r][:k], strict=True))
+        if tokens is not None and toks_l[r] not in top:
+            top[toks_l[r]] = chosen_l[r][0]
+        out[i] = top
+    return out
+
+
+class SampledTokens(NamedTuple):
+    token_ids: list[int]  # (B,)
+    logprobs: list[dict[int, float] | None]  # (B,): None where the request asked for none
+
+
+def sample_step(
+    rows: Sequence[torch.Tensor],
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> SampledTokens:
+    """One step of B requests: their next-token logits (vocab,) each, stacked once into
+    (B, vocab), sampled in one call, with the logprobs of those that ask in another. The
+    engine calls it with its batch, the single-sequence loop with B = 1."""
+    logits = torch.stack(list(rows)) if len(rows) > 1 else rows[0][None]  # (B, vocab)
+    tokens = sample_batch(logits, params, generators)
+    logprobs = batch_logprobs(logits, [p.logprobs for p in params], tokens)
+    return SampledTokens(tokens.tolist(), logprobs)
+
+
+# -- one row: the same code with B = 1 --------------------------------------------------------
 
 
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
 ) -> int:
     """Next token id from next-token logits (vocab,)."""
+    return int(sample_batch(logits[None], [params], [generator])[0])
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities (vocab,) after temperature, top-k, top-p and min-p; zero outside support."""
     if params.greedy:
-        return int(torch.argmax(logits))
-    probs = filtered_probs(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+    rp = _RowParams.of([params], logits.shape[-1], logits.device)
+    return _filtered_probs(logits[None], rp)[0]
 
 
 def top_logprobs(logits: torch.Tensor, k: int, token: int | None = None) -> dict[int, float]:
-    """The k most likely tokens of the model's own distribution (before any filter), best
-    first; then, as vLLM, the sampled ``token`` when it is not among them (k + 1 entries)."""
-    if k == 0 and token is None:
-        return {}
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = torch.topk(logp, k)
-    out = {int(i): float(v) for i, v in zip(ids, values, strict=True)}
-    if token is not None and token not in out:
-        out[token] = float(logp[token])
+    """``batch_logprobs`` of one row (vocab,)."""
+    tokens = None if token is None else torch.tensor([token], device=logits.device)
+    out = batch_logprobs(logits[None], [k], tokens)[0]
+    assert out is not None
     return out

@@ -21,6 +21,7 @@ compiled warm-up differs from eager, the model runs eager and one warning says w
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -68,10 +69,16 @@ def warmup_token_counts(model: LlamaForCausalLM) -> list[int]:
     return sorted(counts)
 
 
+@dataclass(slots=True)
+class WarmupCheck:
+    max_diff: float  # largest |compiled - eager| logit
+    top1_agreement: float  # share of positions where both pick the same token
+
+
 @torch.inference_mode()
-def _warmup(model: LlamaForCausalLM, steps: LayerSteps, counts: list[int]) -> float:
-    """Runs steps at each token count; returns the largest logit difference to eager."""
-    worst = 0.0
+def _warmup(model: LlamaForCausalLM, steps: LayerSteps, counts: list[int]) -> WarmupCheck:
+    """Runs steps at each token count (compiling each variant) against eager."""
+    worst, agree, total = 0.0, 0, 0
     g = torch.Generator().manual_seed(0)
     for t in counts:
         ids = torch.randint(0, model.config.vocab_size, (t,), generator=g).to(model.device)
@@ -79,7 +86,19 @@ def _warmup(model: LlamaForCausalLM, steps: LayerSteps, counts: list[int]) -> fl
         want = model.compute_logits(model(ids, pos, _no_cache_attention, EAGER_STEPS))
         got = model.compute_logits(model(ids, pos, _no_cache_attention, steps))
         worst = max(worst, float((got - want).abs().max()))
-    return worst
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += t
+    return WarmupCheck(worst, agree / total)
+
+
+def _check_ok(check: WarmupCheck, dtype: torch.dtype) -> bool:
+    if dtype == torch.float32:
+        # fusion reorders float arithmetic, nothing more; a larger gap is a compiler bug
+        return check.max_diff <= 1e-3
+    # bfloat16/float16: inductor keeps fused intermediates in float32 where eager rounds
+    # after every op, so logits legitimately drift over the layers (several units on random
+    # tokens measured); a compiler bug would scramble the predictions instead
+    return math.isfinite(check.max_diff) and check.top1_agreement >= 0.9
 
 
 def compile_model(
@@ -114,17 +133,23 @@ def compile_model(
         torch.compile(LlamaDecoderLayer.after_attention, dynamic=True),
     )
     try:
-        diff = _warmup(model, steps, counts)
+        check = _warmup(model, steps, counts)
     except Exception as e:  # noqa: BLE001 - any compiler failure means "run eager"
         reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         logger.warning("torch.compile failed (%s); running eager", reason)
         return CompileResult(EAGER_STEPS, False, time.perf_counter() - start, reason)
     seconds = time.perf_counter() - start
-    # float32: fusion reorders float arithmetic, nothing more; a larger gap is a compiler bug
-    tolerance = 1e-3 if model.dtype == torch.float32 else 0.25
-    if not diff <= tolerance:
-        reason = f"compiled logits differ from eager by {diff:.3g} (> {tolerance})"
+    if not _check_ok(check, model.dtype):
+        reason = (
+            f"compiled logits differ from eager (max diff {check.max_diff:.3g}, top-1 "
+            f"agreement {check.top1_agreement:.2f})"
+        )
         logger.warning("%s; running eager", reason)
         return CompileResult(EAGER_STEPS, False, seconds, reason)
-    logger.info("compiled the model step in %.1f s (max logit diff to eager %.2g)", seconds, diff)
+    logger.info(
+        "compiled the model step in %.1f s (max logit diff to eager %.2g, top-1 agreement %.2f)",
+        seconds,
+        check.max_diff,
+        check.top1_agreement,
+    )
     return CompileResult(steps, True, seconds, "")

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.compiled_steps import compile_model
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import append_token, make_output
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
@@ -56,6 +57,7 @@ class LLMEngine:
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         eos_token_ids: Sequence[int] = (),
+        enforce_eager: bool = False,
     ) -> None:
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -78,7 +80,8 @@ class LLMEngine:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
-        self.runner = ModelRunner(model, self.storage)
+        self.compile_result = compile_model(model, enforce_eager)
+        self.runner = ModelRunner(model, self.storage, self.compile_result.steps)
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -97,7 +100,7 @@ class LLMEngine:
         session = ModelSession.open(
             config.model, config.dtype, config.device, config.show_progress, config.quantization
         )
-        return cls.from_session(session, config.cache, config.scheduler)
+        return cls.from_session(session, config.cache, config.scheduler, config.enforce_eager)
 
     @classmethod
     def from_session(
@@ -105,6 +108,7 @@ class LLMEngine:
         session: ModelSession,
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
+        enforce_eager: bool = False,
     ) -> LLMEngine:
         return cls(
             session.model,
@@ -113,6 +117,7 @@ class LLMEngine:
             cache,
             scheduler,
             session.eos_token_ids,
+            enforce_eager,
         )
 
     # -- requests ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class LLM:
         scheduling_policy: str = _SCHED.scheduling_policy,
         session: ModelSession | None = None,
         show_progress: bool = False,
+        enforce_eager: bool = False,
     ) -> None:
         self.session = session or ModelSession.open(
             model, dtype, device, show_progress, quantization
@@ -54,7 +55,7 @@ class LLM:
         sched = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy
         )
-        self.engine = LLMEngine.from_session(self.session, cache, sched)
+        self.engine = LLMEngine.from_session(self.session, cache, sched, enforce_eager)
 
     def generate(
         self,

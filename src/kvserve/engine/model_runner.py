@@ -13,13 +13,16 @@ import torch
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv.storage import KVCacheStorage
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.llama import EAGER_STEPS, LayerSteps, LlamaForCausalLM
 from kvserve.paged_attention import AttentionMetadata, PagedAttention
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, storage: KVCacheStorage) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, storage: KVCacheStorage, steps: LayerSteps = EAGER_STEPS
+    ) -> None:
         self.model = model
+        self.steps = steps  # the layer halves: eager or compiled (engine/compiled_steps.py)
         self.storage = storage
         self.block_size = storage.spec.block_size
         self.device = model.device
@@ -27,36 +30,47 @@ class ModelRunner:
     def build_metadata(
         self, order: list[ScheduledRequest], requests: dict[str, Request]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids (T,), positions (T,) and the metadata, with no per-token Python.
+
+        Request i owns tokens [q[i], q[i + 1]) of the step, at positions lo[i], lo[i] + 1, ...:
+
+            t       = [0 1 2 | 3 | 4 5]                  arange(T)
+            req_of  = [0 0 0 | 1 | 2 2]                  repeat_interleave(arange(B), n)
+            pos     = t + (lo - q)[req_of]
+            slot    = tables[req_of, pos // bs] * bs + pos % bs
+        """
         bs = self.block_size
+        dev = self.device
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens = []
-        for s in order:
-            req = requests[s.request_id]
-            lo, hi = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            ids.extend(req.all_token_ids[lo:hi])
-            positions.extend(range(lo, hi))
-            table = s.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(lo, hi))
+        lo = [s.num_computed_tokens for s in order]
+        lens = [s.num_new_tokens for s in order]
+        seq_lens = [a + n for a, n in zip(lo, lens, strict=True)]
+        starts = [0]  # (B + 1,)
+        for s, a, hi in zip(order, lo, seq_lens, strict=True):
+            ids.extend(requests[s.request_id].all_token_ids[a:hi])  # one slice per request
             starts.append(len(ids))
-            seq_lens.append(hi)
+        num_tokens = starts[-1]
         width = max(len(s.block_ids) for s in order)
         # one tensor from a padded list: no per-request tensor on the step's hot path
         padded = [s.block_ids + [0] * (width - len(s.block_ids)) for s in order]
-        tables = torch.tensor(padded, dtype=torch.long)
-        dev = self.device
+        tables = torch.tensor(padded, dtype=torch.long, device=dev)  # (B, width)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)  # (B,)
+        shift = [a - q for a, q in zip(lo, starts[:-1], strict=True)]  # position - token index
+        shift_t = torch.tensor(shift, dtype=torch.long, device=dev)  # (B,)
+        req_of = torch.repeat_interleave(
+            torch.arange(len(order), device=dev), lens_t, output_size=num_tokens
+        )  # (T,): which request each token belongs to
+        pos = torch.arange(num_tokens, device=dev) + shift_t[req_of]  # (T,)
+        slots = tables[req_of, pos // bs] * bs + pos % bs  # (T,)
         md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slots,
             query_start_loc=starts,
             seq_lens=seq_lens,
-            block_tables=tables.to(dev),
-            num_decodes=sum(1 for s in order if s.num_new_tokens == 1),
+            block_tables=tables,
+            num_decodes=sum(1 for n in lens if n == 1),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return input_ids, pos, md
 
     @torch.inference_mode()
@@ -76,7 +90,7 @@ class ModelRunner:
             key=lambda s: (s.num_new_tokens != 1, s.num_computed_tokens + s.num_new_tokens),
         )
         input_ids, positions, md = self.build_metadata(order, requests)
-        hidden = self.model(input_ids, positions, PagedAttention(self.storage, md))
+        hidden = self.model(input_ids, positions, PagedAttention(self.storage, md), self.steps)
         rows = [i for i, s in enumerate(order) if s.samples]
         if not rows:
             return {}

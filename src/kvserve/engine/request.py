@@ -52,7 +52,8 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
-    num_emitted_chars: int = 0  # text already handed out as deltas
+    num_emitted_chars: int = 0  # text already handed out in outputs
+    num_emitted_tokens: int = 0  # output tokens (and their logprobs) already handed out
     logprobs: list[dict[int, float]] | None = None
     parent_id: str | None = None  # n > 1: the request this sample was forked from
     sample_index: int = 0  # n > 1: which of the n samples this is
@@ -86,18 +87,25 @@ class Request:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A snapshot of a request after a step: everything so far plus this step's delta."""
+    """A request after a step: what its earlier outputs did not carry, and, on the final
+    output (or every output with ``output_kind=CUMULATIVE``), everything so far.
+
+    ``new_*`` is this step's delta (one token; for FINAL_ONLY, the whole output). The whole
+    lists ``token_ids``, ``text`` and ``logprobs`` are None on a non-final output of a DELTA
+    request: building them each step would make a stream of T tokens cost O(T^2).
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
     new_token_ids: list[int]
-    new_text: str
+    new_text: str  # stream-safe: text that might begin a stop string is held back
+    new_logprobs: list[dict[int, float]] | None  # one per new token; None: not requested
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
+    token_ids: list[int] | None  # all output tokens so far; None: a non-final DELTA output
+    text: str | None  # all output text so far; None: a non-final DELTA output
+    logprobs: list[dict[int, float]] | None  # per output token; None: not requested, or as text
     num_cached_tokens: int
-    logprobs: list[dict[int, float]] | None
     queue_time_s: float | None  # arrival -> first scheduled
     ttft_s: float | None  # arrival -> first token
     decode_time_s: float | None  # first token -> finished

@@ -59,9 +59,13 @@ def chat_prompt(
         raise bad_request(f"the chat template refused these messages: {e}", "messages") from e
 
 
-def _logprobs(served: Served, out: RequestOutput, k: int, start: int) -> ChatLogprobs:
+def _logprobs(
+    served: Served, token_ids: list[int], steps: list[dict[int, float]] | None, k: int
+) -> ChatLogprobs:
+    """These output tokens' logprobs, each with its top k."""
+    assert steps is not None, "a request with logprobs has them on every output"
     content = []
-    for token, step in zip(out.token_ids[start:], (out.logprobs or [])[start:], strict=True):
+    for token, step in zip(token_ids, steps, strict=True):
         text = served.token_text(token)
         tops = [
             TopLogprob(token=(t := served.token_text(i)), logprob=v, bytes=list(t.encode()))
@@ -101,11 +105,12 @@ async def create_chat_completion(
         finals = await collect(stream, request)
     except ClientDisconnected:
         return Response(status_code=499)
+    # final outputs: the whole text and logprobs
     choices = [
         ChatChoice(
             index=j,
             message=AssistantMessage(content=out.text),
-            logprobs=None if k is None else _logprobs(served, out, k, 0),
+            logprobs=None if k is None else _logprobs(served, out.token_ids, out.logprobs, k),
             finish_reason=out.finish_reason,
         )
         for (_, j), out in sorted(finals.items())
@@ -141,7 +146,6 @@ async def _stream(
 
     finals: list[RequestOutput] = []
     cached = 0
-    emitted: dict[int, int] = {}  # sample -> tokens already sent
     try:
         # the role first, for every choice, before any content (as OpenAI does)
         for j in range(req.n):
@@ -150,9 +154,10 @@ async def _stream(
             out = event.output
             if out.index == 0:
                 cached = out.num_cached_tokens
-            start = emitted.get(out.index, 0)
-            emitted[out.index] = len(out.token_ids)
-            logprobs = None if k is None else _logprobs(served, out, k, start)
+            # a DELTA output: this step's tokens only
+            logprobs = (
+                None if k is None else _logprobs(served, out.new_token_ids, out.new_logprobs, k)
+            )
             if out.new_text or (logprobs is not None and logprobs.content):
                 delta = DeltaMessage(content=out.new_text)
                 yield chunk(ChatChunkChoice(index=out.index, delta=delta, logprobs=logprobs))

@@ -68,15 +68,17 @@ def _refuse_unsupported(req: CompletionRequest) -> None:
 
 
 def _logprobs(
-    served: Served, out: RequestOutput, k: int, start: int, text_offset: int
+    served: Served,
+    token_ids: list[int],
+    steps: list[dict[int, float]],
+    text_offset: int,
 ) -> tuple[CompletionLogprobs, int]:
-    """Logprobs of output tokens [start, len): the sampled token's, and the top k plus the
-    sampled one (up to k + 1 entries, as OpenAI's legacy completions); and the text offset
-    after them."""
+    """Logprobs of these output tokens: the sampled token's, and the top k plus the sampled
+    one (up to k + 1 entries, as OpenAI's legacy completions); and the text offset after
+    them."""
     lp = CompletionLogprobs()
-    steps = out.logprobs or []
     offset = text_offset
-    for token, step in zip(out.token_ids[start:], steps[start:], strict=True):
+    for token, step in zip(token_ids, steps, strict=True):
         text = served.token_text(token)
         lp.tokens.append(text)
         lp.token_logprobs.append(step.get(token))
@@ -112,7 +114,10 @@ async def create_completion(
         return Response(status_code=499)
     choices = []
     for (i, j), out in sorted(finals.items()):
-        logprobs = None if req.logprobs is None else _logprobs(served, out, req.logprobs, 0, 0)[0]
+        logprobs = None
+        if req.logprobs is not None:  # a final output: the whole lists
+            assert out.token_ids is not None and out.logprobs is not None
+            logprobs = _logprobs(served, out.token_ids, out.logprobs, 0)[0]
         choices.append(
             CompletionChoice(
                 index=i * n + j, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason
@@ -140,7 +145,6 @@ async def _stream(
 ) -> AsyncIterator[str]:
     finals: dict[tuple[int, int], RequestOutput] = {}
     cached = {}  # prompt index -> cached tokens
-    emitted_tokens: dict[tuple[int, int], int] = {}
     text_offsets: dict[tuple[int, int], int] = {}
     try:
         async for event in stream_events(stream):
@@ -148,12 +152,11 @@ async def _stream(
             key = (event.prompt_index, out.index)
             if out.index == 0:
                 cached[event.prompt_index] = out.num_cached_tokens
-            start = emitted_tokens.get(key, 0)
-            emitted_tokens[key] = len(out.token_ids)
             logprobs = None
-            if req.logprobs is not None:
+            if req.logprobs is not None:  # this step's tokens only (a DELTA output)
+                assert out.new_logprobs is not None
                 logprobs, text_offsets[key] = _logprobs(
-                    served, out, req.logprobs, start, text_offsets.get(key, 0)
+                    served, out.new_token_ids, out.new_logprobs, text_offsets.get(key, 0)
                 )
             if out.finished:
                 finals[key] = out

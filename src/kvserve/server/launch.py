@@ -44,7 +44,9 @@ def load_served(
         engine_config.device,
         quantization=engine_config.quantization,
     )
-    engine = LLMEngine.from_session(session, engine_config.cache, engine_config.scheduler)
+    engine = LLMEngine.from_session(
+        session, engine_config.cache, engine_config.scheduler, engine_config.enforce_eager
+    )
     loop = AsyncEngine(
         engine, metrics, server_config.max_queued_requests, server_config.log_interval_s
     )

@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.request import RequestOutput
-from kvserve.sampling import SamplingParams
+from kvserve.sampling import RequestOutputKind, SamplingParams
 from kvserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -131,7 +131,14 @@ class Served:
             raise bad_request("stop strings need a tokenizer; use stop_token_ids", "stop")
         stop_ids = list(req.stop_token_ids or [])
         self.check_token_ids(stop_ids, "stop_token_ids")
-        fields = {"max_tokens": max_tokens, "n": req.n, "ignore_eos": req.ignore_eos}
+        fields = {
+            "max_tokens": max_tokens,
+            "n": req.n,
+            "ignore_eos": req.ignore_eos,
+            # streams send each step's delta; a JSON response reads the final output, which
+            # carries the whole text and logprobs. Every step's output feeds the latency metrics
+            "output_kind": RequestOutputKind.DELTA,
+        }
         for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
             value = getattr(req, name)
             if value is not None:
