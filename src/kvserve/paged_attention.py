@@ -33,7 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention import causal_attention
-from kvserve.kernels.paged_attention_ops import decode_kernel_available, paged_decode_attention
+from kvserve.kernels.paged_attention_ops import (
+    decode_kernel_available,
+    default_isa,
+    paged_decode_attention,
+)
 from kvserve.kv.storage import KVCacheStorage
 
 
@@ -118,6 +122,7 @@ class PagedAttention:
         if use_kernel is None:
             use_kernel = decode_kernel_available(storage.kv.device)
         self.use_kernel = use_kernel
+        self.isa = default_isa()  # read once per step, not once per layer
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -139,7 +144,9 @@ class PagedAttention:
         k_cache, v_cache = self.storage.key_cache(layer_idx), self.storage.value_cache(layer_idx)
         tables, lens = md.block_tables[:nd], md.seq_lens_tensor[:nd]
         if self.use_kernel:
-            return paged_decode_attention(q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5)
+            return paged_decode_attention(
+                q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5, self.isa
+            )
         return sdpa_decode(q, k_cache, v_cache, tables, md.seq_lens[:nd], lens)
 
 

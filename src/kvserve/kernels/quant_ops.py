@@ -53,6 +53,11 @@ def quant_linear(
     x2 = x.reshape(-1, k)  # (M, K)
     if x2.dtype != torch.float32:
         x2 = x2.float()
+    if policy.use_kernels and x2.shape[0] <= policy.kernel_max_rows:  # the decode hot path
+        y = torch.ops.kvserve.quant_matmul(
+            x2.contiguous(), qweight, qtype, out_features, policy.isa
+        )
+        return y.to(x.dtype).view(*x.shape[:-1], out_features)
     path = policy.path(x2.shape[0])
     if path == "kernel":
         y = torch.ops.kvserve.quant_matmul(

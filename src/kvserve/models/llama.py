@@ -36,6 +36,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # q, k and v in one matmul (vLLM's QKVParallelLinear), set by weight_formats.py where
+        # the three weights share a quantized format; q_proj / k_proj / v_proj then view its rows
+        self.qkv_proj: nn.Module | None = None
 
     def project(
         self,
@@ -45,9 +48,16 @@ class LlamaAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, heads, head_dim) and k, v (T, kv_heads, head_dim), q and k rotated."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split(
+                [self.num_heads * self.head_dim, kv_width, kv_width], -1
+            )
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v

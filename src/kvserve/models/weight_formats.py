@@ -128,6 +128,43 @@ def quantize_linears(model: nn.Module, quantization: str) -> dict[str, Quantized
     return out
 
 
+# fused module -> the weights it concatenates by rows, in output order (HF names under a layer)
+FUSIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_quantized(
+    model: nn.Module, quantized: dict[str, QuantizedTensor]
+) -> dict[str, QuantizedTensor]:
+    """Row-concatenated weights for each FUSIONS group whose members share a qtype and have no
+    bias: one matmul instead of three (two), with more rows to split over threads -- a decode
+    step of the default model makes 121 quantized calls instead of 211. The members' data
+    become views of the fused tensor, so no byte is held twice. Returns fused name -> tensor."""
+    fused: dict[str, QuantizedTensor] = {}
+    for i in range(len(getattr(model.model, "layers", ()))):
+        prefix = f"model.layers.{i}."
+        for target, members in FUSIONS.items():
+            parts = [quantized.get(f"{prefix}{m}.weight") for m in members]
+            biased = any(
+                getattr(model.get_submodule(prefix + m), "bias", None) is not None for m in members
+            )
+            if any(p is None for p in parts) or biased or len({p.qtype for p in parts}) != 1:
+                continue
+            data = torch.cat([p.data for p in parts])  # (sum of rows, bytes per row)
+            rows = 0
+            for m, p in zip(members, parts, strict=True):
+                quantized[f"{prefix}{m}.weight"] = QuantizedTensor(
+                    data[rows : rows + p.shape[0]], p.qtype, p.shape
+                )
+                rows += p.shape[0]
+            fused[prefix + target] = QuantizedTensor(
+                data, parts[0].qtype, (rows, parts[0].shape[1])
+            )
+    return fused
+
+
 def finalize_weights(
     model: nn.Module,
     quantized: dict[str, QuantizedTensor],
@@ -142,7 +179,8 @@ def finalize_weights(
     model must already hold every other weight (built by loader.build_model).
     """
     report = WeightsReport()
-    policies = _policies(quantized, device, features)
+    fused = fuse_quantized(model, quantized)
+    policies = _policies({**quantized, **fused}, device, features)
     embed_name = "model.embed_tokens.weight"
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, q in quantized.items():
@@ -166,6 +204,10 @@ def finalize_weights(
         old = model.get_submodule(module_name)
         bias = getattr(old, "bias", None)
         layer = QuantizedLinear(data, q.qtype, q.shape[1], q.shape[0], policy, bias)
+        _set_module(model, module_name, layer)
+    for module_name, q in fused.items():
+        policy = policies[(q.qtype, *q.shape)]
+        layer = QuantizedLinear(q.data.to(device), q.qtype, q.shape[1], q.shape[0], policy)
         _set_module(model, module_name, layer)
     _finalize_dense(model, dtype, device, features, pack, report)
     report.resident_bytes = resident_bytes(model)
