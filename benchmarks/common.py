@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from kvserve.engine.llm import LLM
+from kvserve.models.packed_linear import dense_state_dict
+from kvserve.models.weight_formats import resident_bytes
 from kvserve.session import ModelSession
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,33 +50,21 @@ def with_dtype_fallback(load: Callable[[str], T], dtype: str) -> tuple[T, str]:
         return load("float32"), "float32"
 
 
-def _is_embedding(name: str, module: nn.Module) -> bool:
-    """The token embedding table, however it is stored (nn.Embedding or a quantized one under
-    HF's name; not the rotary embedding)."""
-    return isinstance(module, nn.Embedding) or name.split(".")[-1] == "embed_tokens"
-
-
 def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of the model's resident tensors that a decode step reads, bytes left out).
+    """(bytes of the model's resident weights that a decode step reads, bytes left out).
 
-    Counts the real tensors, whatever their dtype or layout: parameters, buffers and plain
-    tensor attributes of every module (packed or quantized weights included), each tensor
-    once. Left out: the embedding table, of which a step only gathers one row, unless the same
-    tensor is also the lm_head's (tied), which reads all of it."""
-    tensors: dict[object, tuple[int, bool]] = {}  # key -> (bytes, only embeddings own it)
-    for name, module in model.named_modules():
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-        own += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
-        for t in own:
-            try:
-                key: object = (t.data_ptr(), t.nbytes, t.dtype)
-            except RuntimeError:  # opaque layouts (oneDNN-packed) have no data pointer
-                key = id(t)
-            nbytes, only_embedding = tensors.get(key, (t.nbytes, True))
-            tensors[key] = (nbytes, only_embedding and _is_embedding(name, module))
-    read = sum(n for n, emb in tensors.values() if not emb)
-    left_out = sum(n for n, emb in tensors.values() if emb)
-    return read, left_out
+    The library's count (every distinct storage once, quantized, packed or dense; fused
+    q/k/v rows and their member views once). Left out: an untied embedding table, of which a
+    step only gathers one row; a tied one is the lm_head, which reads all of it."""
+    total = resident_bytes(model)
+    embed = model.model.embed_tokens
+    if getattr(model.config, "tie_word_embeddings", False):
+        return total, 0
+    tensor = getattr(embed, "qweight", None)
+    if tensor is None:
+        tensor = embed.weight
+    left_out = tensor.untyped_storage().nbytes()
+    return total - left_out, left_out
 
 
 class PeerProcess:
@@ -172,23 +162,10 @@ def kvserve_llm(model: str | None, dtype: str, **engine_kwargs) -> LLM:
     return LLM(model=model, dtype=dtype, **engine_kwargs)
 
 
-def dense_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every module's ``weight`` and ``bias`` as dense tensors under Hugging Face names. Packed
-    or quantized layers expose ``weight`` as a property that makes it dense: asking each
-    module for it works whatever the layer keeps inside."""
-    state = {}
-    for prefix, module in model.named_modules():
-        for attr in ("weight", "bias"):
-            t = getattr(module, attr, None)
-            if isinstance(t, torch.Tensor):
-                state[f"{prefix}.{attr}" if prefix else attr] = t.detach().contiguous()
-    return state
-
-
 def export_hf_dir(session: ModelSession, out: Path) -> None:
     """config.json + model.safetensors with the loaded (dequantized) weights; names are HF's."""
     cfg = session.config
-    state = dense_weights(session.model)
+    state = {k: v.contiguous() for k, v in dense_state_dict(session.model).items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, out / "model.safetensors")

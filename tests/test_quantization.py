@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as QT
 
 from kvserve.kernels.quant_ref import dequantize_ref, quantize
 from kvserve.models.loader import load_model
+from kvserve.models.packed_linear import dense_state_dict
 from kvserve.platform import detect_cpu_features
 from kvserve.reference import full_logits
 
@@ -68,3 +69,19 @@ def test_info_reports_features_and_auto_dtype(
     if report["kernels_loaded"] and want_isa is not None:
         assert report["kernel_isa"] == want_isa
     assert report["memory_bandwidth_gb_s"] > 0
+
+
+def test_fused_rows_are_views_and_export_keeps_hf_names(tmp_path: Path) -> None:
+    ckpt, hf = make_hf_checkpoint(tmp_path, "llama", num_key_value_heads=2)
+    loaded = load_model(ckpt, "float32", "cpu", quantization="q8_0")
+    attn = loaded.model.model.layers[0].self_attn
+    fused = attn.qkv_proj.qweight
+    # q/k/v keep their HF modules, as views of the fused rows: no byte held twice
+    for part in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert part.qweight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert attn.q_proj.qweight.data_ptr() == fused.data_ptr()
+    assert loaded.model.model.layers[0].mlp.gate_up_proj is not None
+    state = dense_state_dict(loaded.model)
+    assert set(state) == set(hf.state_dict())
+    for name, want in hf.state_dict().items():
+        assert state[name].shape == want.shape, name

@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+# modules that only concatenate other weights (models/weight_formats.py FUSIONS)
+FUSED_SUFFIXES = (".qkv_proj", ".gate_up_proj")
+
 
 class PackedLinear(nn.Module):
     """y = x W^T + b with W pre-packed by oneDNN. Built from a loaded ``nn.Linear``."""
@@ -45,6 +48,8 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     unpacked, quantized ones dequantized (float32)."""
     state = {k: v for k, v in model.state_dict().items() if not k.endswith(".qweight")}
     for prefix, module in model.named_modules():
+        if prefix.endswith(FUSED_SUFFIXES):
+            continue  # a fused q/k/v or gate/up: its members are exported under their names
         if isinstance(module, PackedLinear) or hasattr(module, "qweight"):
             state[f"{prefix}.weight"] = module.weight
     return state
