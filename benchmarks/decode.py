@@ -98,7 +98,8 @@ def main() -> None:
     hf_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     hf = None if args.skip_hf else export_hf_dir_model(session, hf_dtype)
 
-    llm = LLM(session=session, max_num_seqs=1)
+    # no prefix caching: every run repeats the prompt, and a hit would make TTFT a lookup
+    llm = LLM(session=session, max_num_seqs=1, enable_prefix_caching=False)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], warm, use_tqdm=False)
     generate(DenseCacheDecoder(model, max_len), prompt, warm)

@@ -97,7 +97,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     llm, dtype = with_dtype_fallback(
-        lambda d: kvserve_llm(args.model, d, max_num_seqs=args.max_num_seqs), args.dtype
+        # no prefix caching: every run repeats the same prompts, and a hit is not the workload
+        lambda d: kvserve_llm(
+            args.model, d, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False
+        ),
+        args.dtype,
     )
     prompts, outputs = workload_offline(args.num_requests, llm.session.config.vocab_size)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]

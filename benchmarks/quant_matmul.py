@@ -16,8 +16,6 @@ stream from DRAM as in a real decode), per ISA.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,21 +23,12 @@ from gguf import GGMLQuantizationType as QT
 
 from kvserve.kernels.build import ISA_NAMES, load_kernels
 from kvserve.kernels.quant_ref import block_size, dequantize_ref, quantize, row_bytes
+from kvserve.models.quantized_linear import best_time
 
 # (out_features N, in_features K) of the model's matmuls; per layer: q, k, v, o, gate, up, down.
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 NUM_LAYERS = 30
-
-
-def best_time(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm up (allocations, first-touch)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def random_weight(qtype: QT, n: int, k: int, g: torch.Generator) -> torch.Tensor:

@@ -341,6 +341,20 @@ def assert_no_leaks(kv: KVCacheManager) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# The embedded default model: test_gguf.py, test_default_model.py
+
+
+@pytest.fixture(scope="module")
+def default_gguf() -> Path:
+    from kvserve.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+# --------------------------------------------------------------------------------------------
 # The command line: test_cli.py, test_cli_no_model.py
 
 

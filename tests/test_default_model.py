@@ -24,16 +24,6 @@ CHAT = [{"role": "user", "content": "Write a short paragraph about the history o
 
 
 @pytest.fixture(scope="module")
-def default_gguf() -> Path:
-    from kvserve.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-
-
-@pytest.fixture(scope="module")
 def session(default_gguf: Path) -> ModelSession:
     return ModelSession.open(default_gguf, "float32", "cpu")
 

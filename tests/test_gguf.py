@@ -229,16 +229,6 @@ BERLIN = 11452
 
 
 @pytest.fixture(scope="module")
-def default_gguf() -> Path:
-    from kvserve.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except FileNotFoundError as err:
-        pytest.skip(str(err))
-
-
-@pytest.fixture(scope="module")
 def default_kvserve_logits(default_gguf: Path) -> torch.Tensor:
     loaded = load_model(default_gguf)
     assert loaded.config.model_type == "llama" and loaded.config.tie_word_embeddings

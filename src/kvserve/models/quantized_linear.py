@@ -21,6 +21,7 @@ Which of the first two is faster at which row count is measured on the machine
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,8 +101,10 @@ class QuantizedEmbedding(nn.Module):
         return dequantize_ref(self.qweight, self.qtype, self.num_embeddings, self.embedding_dim)
 
 
-def _time(fn, repeat: int) -> float:
-    fn()  # warm-up (first-touch, oneDNN primitive creation)
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    """Seconds of the fastest of ``repeat`` calls, after one warm-up call (first-touch,
+    oneDNN primitive creation)."""
+    fn()
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
@@ -116,26 +119,29 @@ def measure_kernel_max_rows(
     out_features: int,
     in_features: int,
     isa: int,
-    candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128),
+    bf16: bool = False,
+    candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
     repeat: int = 3,
 ) -> int:
     """The largest row count at which the fused kernel beats dequantize + F.linear on this
     machine, for this weight (0: the kernel never wins). Rows are tried in increasing order and
     the search stops at the first loss (the kernel's cost grows with rows, the dequantized
-    matmul's mostly does not)."""
+    matmul's mostly does not). ``bf16``: the dequantized matmul runs in bfloat16 (a bf16
+    model on a CPU with native bf16), as ``quant_linear`` then does."""
     best_rows = 0
     for m in candidates:
         x = torch.randn(m, in_features)
-        fused = _time(
+        xb = x.to(torch.bfloat16)
+        fused = best_time(
             lambda x=x: torch.ops.kvserve.quant_matmul(x, qweight, qtype, out_features, isa),
             repeat,
         )
-        dense = _time(
-            lambda x=x: F.linear(
-                x, torch.ops.kvserve.dequantize(qweight, qtype, out_features, in_features)
-            ),
-            repeat,
-        )
+
+        def dequantized(x=x, xb=xb) -> torch.Tensor:
+            w = torch.ops.kvserve.dequantize(qweight, qtype, out_features, in_features)
+            return F.linear(xb, w.to(torch.bfloat16)) if bf16 else F.linear(x, w)
+
+        dense = best_time(dequantized, repeat)
         if fused > dense:
             break
         best_rows = m

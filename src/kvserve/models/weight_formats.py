@@ -92,7 +92,10 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _policies(
-    layers: dict[str, QuantizedTensor], device: torch.device, features: CpuFeatures
+    layers: dict[str, QuantizedTensor],
+    device: torch.device,
+    features: CpuFeatures,
+    dtype: torch.dtype,
 ) -> dict[tuple[int, int, int], QuantPolicy]:
     """One policy per distinct (qtype, rows, cols): the kernel's row threshold is measured."""
     use = device.type == "cpu" and load_kernels()
@@ -105,8 +108,9 @@ def _policies(
         if not use:
             out[key] = QuantPolicy(use_kernels=False)
             continue
-        rows = measure_kernel_max_rows(q.data, q.qtype, q.shape[0], q.shape[1], isa)
-        out[key] = QuantPolicy(use_kernels=True, isa=isa, kernel_max_rows=rows)
+        bf16 = features.native_bf16 and dtype == torch.bfloat16
+        rows = measure_kernel_max_rows(q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16)
+        out[key] = QuantPolicy(use_kernels=True, isa=isa, kernel_max_rows=rows, native_bf16=bf16)
     return out
 
 
@@ -180,7 +184,7 @@ def finalize_weights(
     """
     report = WeightsReport()
     fused = fuse_quantized(model, quantized)
-    policies = _policies({**quantized, **fused}, device, features)
+    policies = _policies({**quantized, **fused}, device, features, dtype)
     embed_name = "model.embed_tokens.weight"
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, q in quantized.items():
