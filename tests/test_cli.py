@@ -105,6 +105,10 @@ def greedy_64_cached() -> dict:
                 PROMPT,
                 "--logprobs",
                 "3",
+                # float32: the exactness contract (in bfloat16 the cached step and a no-cache
+                # prefill take different matmul paths and may round apart)
+                "--dtype",
+                "float32",
                 *SMALL_CACHE,
             ]
         )
@@ -154,6 +158,8 @@ def test_generate_no_cache_gives_the_same_tokens(capsys, greedy_64_cached: dict)
         "--max-tokens",
         "64",
         "--ignore-eos",
+        "--dtype",
+        "float32",
         "--prompt",
         PROMPT,
         "--no-cache",
@@ -334,6 +340,8 @@ def test_python_m_kvserve_cli_generate(greedy_64_cached: dict) -> None:
             PROMPT,
             "--device",
             "cpu",
+            "--dtype",
+            "float32",
         ],
         capture_output=True,
         text=True,
