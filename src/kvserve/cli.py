@@ -13,142 +13,23 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvserve.engine.llm import LLM
+from kvserve.cli_args import (
+    add_engine_args,
+    add_model_args,
+    add_sampling_args,
+    cache_config,
+    make_llm,
+    open_session,
+    sampling_params,
+    scheduler_config,
+)
+from kvserve.config import EngineConfig
 from kvserve.engine.request import RequestOutput
-from kvserve.kv.spec import parse_memory
-from kvserve.models.loader import DTYPE_CHOICES
-from kvserve.models.weight_formats import QUANTIZATIONS
-from kvserve.sampling import SamplingParams
 from kvserve.server.config import ServerConfig
-from kvserve.session import ModelSession, generate_once
+from kvserve.session import generate_once
 from kvserve.verify import verify
 
-DEFAULT_MAX_TOKENS = 128  # the CLI's default; SamplingParams keeps vLLM's 16 for the API
-_SP, _CACHE, _SCHED = SamplingParams(), CacheConfig(), SchedulerConfig()
 _SERVER = ServerConfig()
-_ENGINE = EngineConfig()
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--dtype",
-        default=_ENGINE.dtype,
-        choices=list(DTYPE_CHOICES),
-        help="activations and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native "
-        "bfloat16, else float32 (GGUF quantized weights stay quantized either way)",
-    )
-    p.add_argument(
-        "--quantization",
-        default=None,
-        choices=list(QUANTIZATIONS),
-        help="quantize a checkpoint's float weights at load (GGUF files keep their own)",
-    )
-    p.add_argument(
-        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
-    )
-    p.add_argument(
-        "--verbose", "-v", action="store_true", help="log more (and per-turn cache reuse in chat)"
-    )
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--kv-cache-memory",
-        default=None,
-        help="KV cache budget: bytes, GiB, or e.g. 2GiB / 512MiB (default 1GiB)",
-    )
-    p.add_argument(
-        "--num-kv-blocks",
-        type=int,
-        default=None,
-        help="KV cache size in blocks (overrides --kv-cache-memory)",
-    )
-    p.add_argument("--block-size", type=int, default=_CACHE.block_size)
-    p.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run the model step eagerly (no torch.compile; starts faster, steps slower)",
-    )
-    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    p.add_argument("--max-num-seqs", type=int, default=_SCHED.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=_SCHED.max_num_batched_tokens)
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="default: the model's context length"
-    )
-    p.add_argument(
-        "--scheduling-policy",
-        default=_SCHED.scheduling_policy,
-        choices=["fcfs", "lpm"],
-        help="admission order: fcfs (arrival) or lpm (longest cached prefix first)",
-    )
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temperature", type=float, default=_SP.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=_SP.top_p)
-    p.add_argument("--top-k", type=int, default=_SP.top_k, help="0 = off")
-    p.add_argument("--min-p", type=float, default=_SP.min_p)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-
-
-def _sampling(args: argparse.Namespace, logprobs: int | None = None) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-        logprobs=logprobs,
-    )
-
-
-def _cache_config(args: argparse.Namespace) -> CacheConfig:
-    memory = args.kv_cache_memory
-    return CacheConfig(
-        block_size=args.block_size,
-        kv_cache_memory=None if memory is None else parse_memory(memory),
-        num_blocks=args.num_kv_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
-
-
-def _scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
-    return SchedulerConfig(
-        args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.scheduling_policy
-    )
-
-
-def _open(args: argparse.Namespace, show_progress: bool) -> ModelSession:
-    return ModelSession.open(
-        args.model, args.dtype, args.device, show_progress, quantization=args.quantization
-    )
-
-
-def _llm(args: argparse.Namespace, session: ModelSession) -> LLM:
-    return LLM(
-        session=session,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        scheduling_policy=args.scheduling_policy,
-        enforce_eager=args.enforce_eager,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--chat", action="store_true", help="wrap --prompt as a user message in the chat template"
     )
-    _add_model_args(g)
-    _add_engine_args(g)
-    _add_sampling_args(g)
+    add_model_args(g)
+    add_engine_args(g)
+    add_sampling_args(g)
     g.add_argument(
         "--no-cache",
         action="store_true",
@@ -182,14 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
     c = sub.add_parser("chat", help="interactive multi-turn chat; each turn reuses the cache")
-    _add_model_args(c)
-    _add_engine_args(c)
-    _add_sampling_args(c)
+    add_model_args(c)
+    add_engine_args(c)
+    add_sampling_args(c)
     c.add_argument("--system", default=None, help="system prompt")
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _add_model_args(s)
-    _add_engine_args(s)
+    add_model_args(s)
+    add_engine_args(s)
     s.add_argument("--host", default=_SERVER.host)
     s.add_argument("--port", type=int, default=_SERVER.port)
     s.add_argument(
@@ -218,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
-    _add_model_args(v)
+    add_model_args(v)
     v.add_argument("--prompt", default="The key-value cache of a transformer stores")
     v.add_argument("--max-tokens", type=int, default=64)
     v.add_argument("--json", action="store_true")
@@ -226,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser(
         "info", help="this machine's CPU features, kernels, dtype auto, bandwidth, a model's paths"
     )
-    _add_model_args(i)
+    add_model_args(i)
     i.add_argument("--no-model", action="store_true", help="report the machine only")
     i.add_argument("--json", action="store_true")
     return parser
@@ -238,8 +119,8 @@ def _write(text: str) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    params = _sampling(args, args.logprobs)  # validate flags before the slow model load
-    session = _open(args, show_progress=not args.json)
+    params = sampling_params(args, args.logprobs)  # validate flags before the slow model load
+    session = open_session(args, show_progress=not args.json)
     if args.prompt_ids is not None:
         try:
             prompt_ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
@@ -257,7 +138,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         logprobs = r.logprobs
     else:
         out: RequestOutput | None = None
-        for out in _llm(args, session).stream(prompt_ids, params):
+        for out in make_llm(args, session).stream(prompt_ids, params):
             if on_text is not None and out.new_text:
                 on_text(out.new_text)
         assert out is not None and out.finished
@@ -296,10 +177,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    params = _sampling(args)
-    session = _open(args, show_progress=True)
+    params = sampling_params(args)
+    session = open_session(args, show_progress=True)
     tokenizer = session.require_tokenizer()
-    llm = _llm(args, session)
+    llm = make_llm(args, session)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat -- empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -342,8 +223,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
-        cache=_cache_config(args),
-        scheduler=_scheduler_config(args),
+        cache=cache_config(args),
+        scheduler=scheduler_config(args),
     )
     server = ServerConfig(
         host=args.host,
@@ -359,7 +240,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    session = _open(args, show_progress=not args.json)
+    session = open_session(args, show_progress=not args.json)
     report = verify(session, args.prompt, args.max_tokens)
     if args.json:
         print(json.dumps(report.as_dict()))
@@ -372,7 +253,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     from kvserve.info import collect_info
 
-    session = None if args.no_model else _open(args, show_progress=False)
+    session = None if args.no_model else open_session(args, show_progress=False)
     report = collect_info(session, args.device)
     if args.json:
         print(json.dumps(report.as_dict()))

@@ -1,0 +1,140 @@
+"""The command line's shared flags and the records built from them (configs, sampling,
+the model session, the offline engine). Defaults come from the config records themselves, so
+every default has one source."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.engine.llm import LLM
+from kvserve.kv.spec import parse_memory
+from kvserve.models.loader import DTYPE_CHOICES
+from kvserve.models.weight_formats import QUANTIZATIONS
+from kvserve.sampling import SamplingParams
+from kvserve.session import ModelSession
+
+DEFAULT_MAX_TOKENS = 128  # the CLI's default; SamplingParams keeps vLLM's 16 for the API
+_SP, _CACHE, _SCHED = SamplingParams(), CacheConfig(), SchedulerConfig()
+_ENGINE = EngineConfig()
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=_ENGINE.dtype,
+        choices=list(DTYPE_CHOICES),
+        help="activations and KV cache dtype; auto: bfloat16 on CUDA and on CPUs with native "
+        "bfloat16, else float32 (GGUF quantized weights stay quantized either way)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="quantize a checkpoint's float weights at load (GGUF files keep their own)",
+    )
+    p.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--verbose", "-v", action="store_true", help="log more (and per-turn cache reuse in chat)"
+    )
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="KV cache budget: bytes, GiB, or e.g. 2GiB / 512MiB (default 1GiB)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache size in blocks (overrides --kv-cache-memory)",
+    )
+    p.add_argument("--block-size", type=int, default=_CACHE.block_size)
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model step eagerly (no torch.compile; starts faster, steps slower)",
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    p.add_argument("--max-num-seqs", type=int, default=_SCHED.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=_SCHED.max_num_batched_tokens)
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="default: the model's context length"
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        default=_SCHED.scheduling_policy,
+        choices=["fcfs", "lpm"],
+        help="admission order: fcfs (arrival) or lpm (longest cached prefix first)",
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
+    p.add_argument("--temperature", type=float, default=_SP.temperature, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=_SP.top_p)
+    p.add_argument("--top-k", type=int, default=_SP.top_k, help="0 = off")
+    p.add_argument("--min-p", type=float, default=_SP.min_p)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def cache_config(args: argparse.Namespace) -> CacheConfig:
+    memory = args.kv_cache_memory
+    return CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory=None if memory is None else parse_memory(memory),
+        num_blocks=args.num_kv_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.scheduling_policy
+    )
+
+
+def open_session(args: argparse.Namespace, show_progress: bool) -> ModelSession:
+    return ModelSession.open(
+        args.model, args.dtype, args.device, show_progress, quantization=args.quantization
+    )
+
+
+def make_llm(args: argparse.Namespace, session: ModelSession) -> LLM:
+    return LLM(
+        session=session,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        scheduling_policy=args.scheduling_policy,
+        enforce_eager=args.enforce_eager,
+    )
