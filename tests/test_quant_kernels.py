@@ -220,3 +220,16 @@ def test_dequantize_rows_is_an_embedding_lookup() -> None:
     rows = dequantize_rows(table, QT.Q8_0, ids, 64)
     assert rows.shape == (2, 3, 64)
     assert torch.equal(rows, dequantize_ref(table, QT.Q8_0, 50, 64)[ids])
+
+
+def test_bf16_dequant_matmul_path_is_bf16_gemm_of_the_reference(kernels: None) -> None:
+    # a bfloat16 model on a native-bf16 CPU multiplies above the kernel's rows in bfloat16;
+    # correct (only slow) on any CPU, so it is checked everywhere
+    w = random_blocks(QT.Q4_1, 33, 96)
+    x = torch.randn(9, 96).to(torch.bfloat16)
+    policy = quant_ops.QuantPolicy(use_kernels=True, kernel_max_rows=4, native_bf16=True)
+    assert policy.path(9) == "dequant+matmul"
+    got = quant_ops.quant_linear(x, w, QT.Q4_1, 33, policy)
+    want = torch.nn.functional.linear(x, dequantize_ref(w, QT.Q4_1, 33, 96).to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -15,6 +15,8 @@
 // ISA paths (scalar, AVX2+FMA, AVX-512 F/BW/VL/DQ) live in one TU compiled with plain -O3:
 // the vector ones are __attribute__((target)) functions chosen at run time, so the library
 // runs on any x86-64. bf16 -> f32 is a 16-bit shift; f16 uses F16C / AVX-512F conversions.
+#include "cpu_isa.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,25 +38,11 @@ namespace {
 using c10::BFloat16;
 using c10::Half;
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using kvserve_isa::kAvx2;
+using kvserve_isa::kAvx512;
+using kvserve_isa::kScalar;
 
-int64_t detect_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return kAvx2;
-#endif
-  return kScalar;
-}
-
-int64_t best_isa() {
-  static const int64_t best = detect_isa();
-  return best;
-}
+using kvserve_isa::best_isa;
 
 // The three per-ISA primitives. A "block" is up to block_size consecutive rows of one kv head,
 // `stride` elements apart (num_kv_heads * head_dim). Scores s are (G, n) with row stride ss.

@@ -193,19 +193,7 @@ inline void store16b(float* out, __m128i q, float s, float b) {
 #endif
 #endif  // __x86_64__
 
-int64_t best_isa() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return kAvx2;
-#endif
-  return kScalar;
-}
+int64_t best_isa() { return kvserve_isa::best_isa(); }
 
 const IsaKernels& isa_kernels(int64_t isa) {
   static const IsaKernels scalar{

@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "cpu_isa.h"
+
 namespace kvserve_quant {
 
 // GGML type ids (gguf.GGMLQuantizationType).
@@ -30,7 +32,10 @@ enum QType : int64_t {
 };
 
 // The `isa` argument of the ops and the result of kvserve::cpu_isa().
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+using kvserve_isa::Isa;
+using kvserve_isa::kAvx2;
+using kvserve_isa::kAvx512;
+using kvserve_isa::kScalar;
 
 constexpr int64_t kGroup = 16;    // values per scale/bias group
 constexpr int64_t kChunk = 1024;  // values per decoded chunk: a multiple of 256 (K-quant blocks)
