@@ -19,8 +19,9 @@ BLOCK = 4
 
 
 # "dense": float32 weights, oneDNN-packed, eager step. "q8_0": the same checkpoint quantized at
-# load, multiplied by the C++ kernels, with the engine's step compiled (torch.compile) -- every
-# equivalence below then holds the compiled step to the eager reference decoders.
+# load, multiplied by the C++ kernels, prefill steps compiled (torch.compile) and decode steps
+# through the fused kernel (kvserve::decode_layers) -- every equivalence below then holds the
+# compiled and fused steps to the eager reference decoders.
 @pytest.fixture(scope="module", params=["dense", "q8_0"])
 def session(request, tmp_path_factory) -> ModelSession:
     path, _ = make_hf_checkpoint(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.compiled_steps import compile_model
+from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import append_token, make_output
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
@@ -81,7 +82,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
         self.compile_result = compile_model(model, enforce_eager)
-        self.runner = ModelRunner(model, self.storage, self.compile_result.steps)
+        self.fused_decode = FusedDecode.build(model, self.storage)
+        self.runner = ModelRunner(model, self.storage, self.compile_result.steps, self.fused_decode)
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

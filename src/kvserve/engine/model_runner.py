@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv.storage import KVCacheStorage
@@ -19,10 +20,16 @@ from kvserve.paged_attention import AttentionMetadata, PagedAttention
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, storage: KVCacheStorage, steps: LayerSteps = EAGER_STEPS
+        self,
+        model: LlamaForCausalLM,
+        storage: KVCacheStorage,
+        steps: LayerSteps = EAGER_STEPS,
+        fused: FusedDecode | None = None,
     ) -> None:
         self.model = model
         self.steps = steps  # the layer halves: eager or compiled (engine/compiled_steps.py)
+        # all layers of an all-decode step in one kernel call (engine/fused_decode.py)
+        self.fused = fused
         self.storage = storage
         self.block_size = storage.spec.block_size
         self.device = model.device
@@ -90,7 +97,11 @@ class ModelRunner:
             key=lambda s: (s.num_new_tokens != 1, s.num_computed_tokens + s.num_new_tokens),
         )
         input_ids, positions, md = self.build_metadata(order, requests)
-        hidden = self.model(input_ids, positions, PagedAttention(self.storage, md), self.steps)
+        if self.fused is not None and self.fused.fits(md):
+            hidden = self.fused(input_ids, positions, md, self.storage)
+        else:
+            attn = PagedAttention(self.storage, md)
+            hidden = self.model(input_ids, positions, attn, self.steps)
         rows = [i for i, s in enumerate(order) if s.samples]
         if not rows:
             return {}

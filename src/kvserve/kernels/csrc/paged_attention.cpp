@@ -16,6 +16,7 @@
 // the vector ones are __attribute__((target)) functions chosen at run time, so the library
 // runs on any x86-64. bf16 -> f32 is a 16-bit shift; f16 uses F16C / AVX-512F conversions.
 #include "cpu_isa.h"
+#include "paged_attention.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -370,29 +371,12 @@ at::Tensor paged_decode_attention_cpu(const at::Tensor& q, const at::Tensor& key
   auto lens = seq_lens.contiguous();
   const int64_t width = tables.size(1);
   const int64_t *tp = tables.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
-  // every block read must exist: a bad id would read outside the cache
-  int64_t max_len = 1;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "seq_lens[", b, "] = ", lp[b],
-                " must be in [1, ", width * bs, "] (block_tables width x block_size)");
-    for (int64_t j = 0; j * bs < lp[b]; ++j)
-      TORCH_CHECK(tp[b * width + j] >= 0 && tp[b * width + j] < nblocks, "block_tables[", b, ", ",
-                  j, "] = ", tp[b * width + j], " is not a block id in [0, ", nblocks, ")");
-    max_len = std::max(max_len, lp[b]);
-  }
+  const int64_t max_len = kvserve_attn::check_block_tables(tp, width, lp, B, bs, nblocks);
   auto qs = (q.to(at::kFloat) * scale).contiguous();  // (B, H, D) f32, scaled once
   auto out = at::empty({B, H, D}, q.options().dtype(at::kFloat));
-  auto run = [&](auto tag) {  // tag: a null pointer of the cache's element type
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
-    attend<T>(qs.data_ptr<float>(), static_cast<const T*>(key_cache.const_data_ptr()),
-              static_cast<const T*>(value_cache.const_data_ptr()), tp, width, lp, B, H, KVH, D,
-              bs, max_len, kernels_for<T>(isa), out.data_ptr<float>());
-  };
-  switch (key_cache.scalar_type()) {  // float32 / bfloat16 / float16, checked above
-    case at::kFloat: run(static_cast<const float*>(nullptr)); break;
-    case at::kBFloat16: run(static_cast<const BFloat16*>(nullptr)); break;
-    default: run(static_cast<const Half*>(nullptr)); break;
-  }
+  kvserve_attn::paged_attend_raw(qs.data_ptr<float>(), key_cache.const_data_ptr(),
+                                 value_cache.const_data_ptr(), key_cache.scalar_type(), tp, width,
+                                 lp, B, H, KVH, D, bs, max_len, isa, out.data_ptr<float>());
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
@@ -406,6 +390,41 @@ at::Tensor paged_decode_attention_meta(const at::Tensor& q, const at::Tensor& ke
   return at::empty_symint(q.sym_sizes(), q.options());
 }
 }  // namespace
+
+namespace kvserve_attn {
+int64_t check_block_tables(const int64_t* tp, int64_t width, const int64_t* lp, int64_t B,
+                           int64_t bs, int64_t nblocks) {
+  // every block read must exist: a bad id would read outside the cache
+  int64_t max_len = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "seq_lens[", b, "] = ", lp[b],
+                " must be in [1, ", width * bs, "] (block_tables width x block_size)");
+    for (int64_t j = 0; j * bs < lp[b]; ++j)
+      TORCH_CHECK(tp[b * width + j] >= 0 && tp[b * width + j] < nblocks, "block_tables[", b, ", ",
+                  j, "] = ", tp[b * width + j], " is not a block id in [0, ", nblocks, ")");
+    max_len = std::max(max_len, lp[b]);
+  }
+  return max_len;
+}
+
+void paged_attend_raw(const float* q, const void* kc, const void* vc, at::ScalarType dtype,
+                      const int64_t* tables, int64_t width, const int64_t* lens, int64_t B,
+                      int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_len, int64_t isa,
+                      float* out) {
+  auto run = [&](auto tag) {  // tag: a null pointer of the cache's element type
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    attend<T>(q, static_cast<const T*>(kc), static_cast<const T*>(vc), tables, width, lens, B, H,
+              KVH, D, bs, max_len, kernels_for<T>(isa), out);
+  };
+  switch (dtype) {
+    case at::kFloat: run(static_cast<const float*>(nullptr)); break;
+    case at::kBFloat16: run(static_cast<const BFloat16*>(nullptr)); break;
+    case at::kHalf: run(static_cast<const Half*>(nullptr)); break;
+    default: TORCH_CHECK(false, "paged attention: cache dtype must be float32, bfloat16 or "
+                         "float16, got ", dtype);
+  }
+}
+}  // namespace kvserve_attn
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor key_cache, Tensor value_cache, "

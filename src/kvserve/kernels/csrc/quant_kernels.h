@@ -89,6 +89,12 @@ struct IsaKernels {
 int64_t best_isa();                        // the best ISA this CPU supports
 const IsaKernels& isa_kernels(int64_t isa);  // isa must be supported (checked by the caller)
 
+// out (M, N) = x (M, K) @ dequantize(w).T, float32, row-major and contiguous; w is the
+// GGUF rows of type qtype (K / block_elems * block_bytes bytes each). No checks: the caller
+// has validated qtype, shapes and isa (a supported one, not -1). Threads over weight tiles.
+void quant_matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype,
+                      int64_t N, int64_t isa, float* out);
+
 // fp16 bits -> float (portable; once per block, so speed does not matter).
 float half_to_float(uint16_t bits);
 

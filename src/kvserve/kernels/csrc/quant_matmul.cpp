@@ -32,6 +32,39 @@
 
 namespace kvserve_quant {
 
+void quant_matmul_raw(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t qtype,
+                      int64_t N, int64_t isa, float* op) {
+  const Format& f = *find_format(qtype);
+  const IsaKernels& ik = isa_kernels(isa);
+  const int64_t row_bytes = K / f.block_elems * f.block_bytes;
+  const int64_t ntiles = (N + kNR - 1) / kNR;
+  // >= ~64k weight values per task, so small matrices do not pay for threads they can't use.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * kNR));
+
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    alignas(64) float wbuf[kNR * kChunk];  // (kNR, kChunk) decoded weights, 16 KiB
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kNR;
+      const int nr = static_cast<int>(std::min<int64_t>(kNR, N - n0));
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t kc = std::min(kChunk, K - k0);
+        for (int r = 0; r < kNR; ++r) {
+          float* dst = wbuf + r * kChunk;
+          if (r < nr)
+            ik.dequant[f.index](wp + (n0 + r) * row_bytes + k0 / f.block_elems * f.block_bytes,
+                                kc / f.block_elems, dst);
+          else
+            std::memset(dst, 0, kc * sizeof(float));  // tail tile: rows beyond N
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += ik.max_mt) {
+          const int mt = static_cast<int>(std::min<int64_t>(ik.max_mt, M - m0));
+          ik.tile[mt](wbuf, kChunk, xp + m0 * K + k0, K, kc, op + m0 * N + n0, N, nr, k0 > 0);
+        }
+      }
+    }
+  });
+}
+
 namespace {
 
 const char* isa_name(int64_t isa) {
@@ -89,42 +122,14 @@ at::Tensor quant_matmul_cpu(const at::Tensor& x, const at::Tensor& qweight, int6
               "kvserve: x must be a contiguous 2-D float32 tensor, got ", x.scalar_type(), " ",
               x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const Format& f = check_weight(qweight, qtype, N, K);
-  const IsaKernels& ik = isa_kernels(resolve_isa(isa));
+  check_weight(qweight, qtype, N, K);
+  const int64_t resolved = resolve_isa(isa);
   const at::Tensor w = qweight.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = w.size(1);
-  const int64_t ntiles = (N + kNR - 1) / kNR;
-  // >= ~64k weight values per task, so small matrices do not pay for threads they can't use.
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * kNR));
-
-  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
-    alignas(64) float wbuf[kNR * kChunk];  // (kNR, kChunk) decoded weights, 16 KiB
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * kNR;
-      const int nr = static_cast<int>(std::min<int64_t>(kNR, N - n0));
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-        const int64_t kc = std::min(kChunk, K - k0);
-        for (int r = 0; r < kNR; ++r) {
-          float* dst = wbuf + r * kChunk;
-          if (r < nr)
-            dequant_chunk(f, ik, wp + (n0 + r) * row_bytes, k0, kc, dst);
-          else
-            std::memset(dst, 0, kc * sizeof(float));  // tail tile: rows beyond N
-        }
-        for (int64_t m0 = 0; m0 < M; m0 += ik.max_mt) {
-          const int mt = static_cast<int>(std::min<int64_t>(ik.max_mt, M - m0));
-          ik.tile[mt](wbuf, kChunk, xp + m0 * K + k0, K, kc, op + m0 * N + n0, N, nr, k0 > 0);
-        }
-      }
-    }
-  });
+  quant_matmul_raw(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), qtype, N, resolved,
+                   out.data_ptr<float>());
   return out;
 }
 

@@ -1,0 +1,139 @@
+"""The fused decode step: every decoder layer of an all-decode batch in one C++ call.
+
+A decode step of the default model at batch 1 is ~4 ms of quantized matmuls; run layer by
+layer from Python (eager or compiled halves) it made ~600 PyTorch calls and their dispatch
+cost about as much again. ``kvserve::decode_layers`` (kernels/csrc/decode_layers.cpp) runs
+norm -> q/k/v -> rotary -> cache write -> paged attention -> o_proj -> norm -> MLP for all
+layers over raw buffers, with the same kernels the eager layers call (``quant_matmul``,
+``paged_decode_attention``), so a step is one call between the embedding and the final norm.
+
+When it runs (``FusedDecode.build`` says why not, once, at debug level):
+
+- the C++ kernels are loaded (not ``KVSERVE_KERNELS=0``), model and cache on CPU;
+- every layer's qkv_proj, o_proj, gate_up_proj and down_proj are quantized (a GGUF model or
+  ``--quantization``) and fused, with no biases and no q/k norm (Llama, Mistral, SmolLM);
+- the step is all decodes, and no more rows than every weight's measured kernel threshold
+  (above it the eager path's dequantize + GEMM is faster).
+
+Activations stay float32 inside (a bfloat16 model's eager layers round them to bfloat16 after
+each op), the cache is written in its own dtype. The eager layers are the reference:
+tests/test_fused_decode.py compares the two.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.kernels.build import load_kernels
+from kvserve.kv.storage import KVCacheStorage
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.quantized_linear import QuantizedLinear
+from kvserve.paged_attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class FusedDecode:
+    """The arguments of ``kvserve::decode_layers`` for one model, gathered once."""
+
+    def __init__(self, model: LlamaForCausalLM, layers: list[tuple[QuantizedLinear, ...]]) -> None:
+        cfg = model.config
+        self.model = model
+        self.num_heads = cfg.num_attention_heads
+        self.intermediate = cfg.intermediate_size
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim**-0.5
+        self.norms = [
+            n.weight.detach().float().contiguous()
+            for layer in model.model.layers
+            for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        self.qweights = [q.qweight for group in layers for q in group]
+        self.qtypes = [q.qtype for group in layers for q in group]
+        self.max_rows = min(q.policy.kernel_max_rows for group in layers for q in group)
+        self.isa = layers[0][0].policy.isa
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, storage: KVCacheStorage) -> FusedDecode | None:
+        """The fused step for this model, or None (with the reason logged) when it can't run."""
+        reason = cls._unsupported(model, storage)
+        if reason:
+            logger.debug("fused decode step off: %s", reason)
+            return None
+        groups = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            groups.append((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        fused = cls(model, groups)
+        if fused.max_rows < 1:
+            logger.debug("fused decode step off: the quantized kernel never wins here")
+            return None
+        logger.info(
+            "decode steps of up to %d requests: all layers in one kernel call "
+            "(kvserve::decode_layers)",
+            fused.max_rows,
+        )
+        return fused
+
+    @staticmethod
+    def _unsupported(model: LlamaForCausalLM, storage: KVCacheStorage) -> str:
+        cfg = model.config
+        if not isinstance(model, LlamaForCausalLM):
+            return f"{type(model).__name__} is not the Llama family"
+        if model.device.type != "cpu" or storage.kv.device.type != "cpu":
+            return "not on CPU"
+        if not load_kernels():
+            return "C++ kernels not loaded"
+        if cfg.attention_bias or cfg.o_proj_bias or cfg.qk_norm:
+            return "attention biases or q/k norm"
+        if not storage.kv.is_contiguous():
+            return "cache not contiguous"
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, m in (
+                ("qkv_proj", attn.qkv_proj),
+                ("o_proj", attn.o_proj),
+                ("gate_up_proj", mlp.gate_up_proj),
+                ("down_proj", mlp.down_proj),
+            ):
+                if not isinstance(m, QuantizedLinear) or m.bias is not None:
+                    return f"layer {i} {name} is not a fused quantized linear"
+                if not m.policy.use_kernels:
+                    return f"layer {i} {name} takes the reference path"
+        return ""
+
+    def fits(self, md: AttentionMetadata) -> bool:
+        """True when this step can run fused: all decodes, within the kernel's row range."""
+        return md.num_decodes == md.num_reqs and md.num_reqs <= self.max_rows and load_kernels()
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # (B,) one token per request
+        positions: torch.Tensor,  # (B,)
+        md: AttentionMetadata,
+        storage: KVCacheStorage,
+    ) -> torch.Tensor:
+        """Final hidden states (B, hidden) in the model dtype, as ``model.forward`` returns."""
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids).float()
+        cos, sin = inner.rotary_emb(positions, torch.float32)  # (B, 1, head_dim)
+        x = torch.ops.kvserve.decode_layers(
+            x,
+            cos.view(cos.shape[0], -1),
+            sin.view(sin.shape[0], -1),
+            storage.kv,
+            md.slot_mapping,
+            md.block_tables,
+            md.seq_lens_tensor,
+            self.norms,
+            self.qweights,
+            self.qtypes,
+            self.num_heads,
+            self.intermediate,
+            self.eps,
+            self.scale,
+            self.isa,
+        )
+        return inner.norm(x.to(self.model.dtype))

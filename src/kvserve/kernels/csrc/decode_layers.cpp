@@ -1,0 +1,239 @@
+// kvserve::decode_layers: every decoder layer of a Llama-family model for one batch of decode
+// tokens (one new token per request), in one call.
+//
+// Why: at batch 1 the arithmetic of a step is ~4 ms of quantized matmuls, but the eager (or
+// per-layer compiled) step made ~20 PyTorch calls per layer, 600 per token, and their
+// dispatch cost as much as the matmuls. Here a layer is the same sequence of steps on raw
+// buffers, each the arithmetic of the eager op it replaces:
+//
+//   h    = rms_norm(x) * input_layernorm          (float32, as torch.rms_norm)
+//   qkv  = h @ W_qkv^T                            (quant_matmul_raw: the quant_matmul kernel)
+//   q, k = rotate(q, k; cos, sin)                 (HF half layout, as models/layers.py)
+//   cache[slot] = k, v                            (converted to the cache dtype, RNE)
+//   a    = attention(q * scale; the request's blocks)   (paged_attend_raw, the decode kernel)
+//   x    = x + a @ W_o^T
+//   h    = rms_norm(x) * post_attention_layernorm
+//   g, u = h @ W_gate_up^T
+//   x    = x + (silu(g) * u) @ W_down^T
+//
+// Activations and the residual stream stay float32 whatever the cache dtype (a bfloat16
+// model's eager path rounds them to bfloat16 after every op; this one does not). The engine
+// uses it for all-decode steps of models whose four projections per layer are quantized
+// (engine/fused_decode.py); the eager layers are the reference it is tested against.
+//
+//   x            (B, hidden) float32: the embedded tokens; returns the residual stream after
+//                the last layer (B, hidden) float32 (final norm not applied)
+//   cos, sin     (B, head_dim) float32
+//   kv           (2, layers, num_blocks, block_size, kv_heads, head_dim): the paged cache,
+//                float32 / bfloat16 / float16; written at slot_mapping (B,) int64
+//   block_tables (B, width) int64, seq_lens (B,) int64 (this token included)
+//   norms        2 per layer: input_layernorm, post_attention_layernorm (hidden,) float32
+//   qweights     4 per layer: qkv_proj, o_proj, gate_up_proj, down_proj (GGUF rows, uint8),
+//                qtypes their GGML type ids
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "paged_attention.h"
+#include "quant_kernels.h"
+
+namespace {
+
+using kvserve_quant::find_format;
+using kvserve_quant::quant_matmul_raw;
+
+// y[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row of n. The mean is accumulated in
+// double then rounded, as torch.rms_norm's CPU kernel (opmath) does not promise; the rows are
+// short (hidden), so this costs nothing and is at least as accurate as the eager op.
+void rms_norm_row(const float* x, const float* w, int64_t n, double eps, float* y) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float r = static_cast<float>(1.0 / std::sqrt(ss / n + eps));
+  for (int64_t i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
+}
+
+// Rotate `heads` heads of D values in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin),
+// the HF rotate_half layout (pairs i, i + D/2); cos/sin (D,) as RotaryEmbedding makes them.
+void rotate_heads(float* v, int64_t heads, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h, v += D)
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = v[i], b = v[i + half];
+      v[i] = a * cos[i] + (-b) * sin[i];
+      v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+template <typename T>
+inline void store_row(const float* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);  // RNE for bf16 / f16
+}
+
+// act[i] = silu(g[i]) * u[i] for the (rows, 2I) gate_up output -> (rows, I).
+void silu_mul(const float* gu, int64_t rows, int64_t I, float* act) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *g = gu + r * 2 * I, *u = g + I;
+      float* a = act + r * I;
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+void check_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, const char* what,
+                  int64_t layer) {
+  const kvserve_quant::Format* f = find_format(qtype);
+  TORCH_CHECK(f != nullptr, "decode_layers: layer ", layer, " ", what,
+              ": unsupported GGML type ", qtype);
+  TORCH_CHECK(k % f->block_elems == 0, "decode_layers: layer ", layer, " ", what, ": ", k,
+              " inputs is not a multiple of the block size ", f->block_elems);
+  const int64_t row_bytes = k / f->block_elems * f->block_bytes;
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
+                  w.size(0) == n && w.size(1) == row_bytes && w.is_contiguous(),
+              "decode_layers: layer ", layer, " ", what, " must be contiguous uint8 (", n, ", ",
+              row_bytes, "), got ", w.scalar_type(), " ", w.sizes());
+}
+
+at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
+                             const at::Tensor& kv, const at::Tensor& slot_mapping,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             at::TensorList norms, at::TensorList qweights,
+                             at::IntArrayRef qtypes, int64_t num_heads, int64_t intermediate,
+                             double eps, double scale, int64_t isa) {
+  // ---- checks: everything the raw loops below rely on ----
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "decode_layers: x must be (B, hidden) float32 on CPU, got ", x_in.scalar_type(),
+              " ", x_in.sizes());
+  TORCH_CHECK(kv.dim() == 6 && kv.size(0) == 2 && kv.is_contiguous(),
+              "decode_layers: kv must be a contiguous (2, layers, blocks, block_size, kv_heads, "
+              "head_dim) cache, got ", kv.sizes());
+  const auto cache_dtype = kv.scalar_type();
+  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16 || cache_dtype == at::kHalf,
+              "decode_layers: cache dtype must be float32, bfloat16 or float16, got ", cache_dtype);
+  const int64_t B = x_in.size(0), hidden = x_in.size(1);
+  const int64_t L = kv.size(1), NB = kv.size(2), bs = kv.size(3), KVH = kv.size(4), D = kv.size(5);
+  const int64_t H = num_heads, I = intermediate;
+  TORCH_CHECK(H > 0 && KVH > 0 && H % KVH == 0 && D % 2 == 0, "decode_layers: num_heads ", H,
+              " must be a multiple of kv_heads ", KVH, " and head_dim ", D, " even");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L &&
+                  static_cast<int64_t>(qweights.size()) == 4 * L &&
+                  static_cast<int64_t>(qtypes.size()) == 4 * L,
+              "decode_layers: ", L, " layers need ", 2 * L, " norms and ", 4 * L,
+              " quantized weights and types, got ", norms.size(), ", ", qweights.size(), ", ",
+              qtypes.size());
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == B &&
+                    t->size(1) == D && t->is_contiguous(),
+                "decode_layers: cos/sin must be contiguous (", B, ", ", D, ") float32, got ",
+                t->scalar_type(), " ", t->sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == B,
+              "decode_layers: slot_mapping must be (", B, ",) int64");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.size(0) == B && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.numel() == B,
+              "decode_layers: block_tables must be (", B, ", width) and seq_lens (", B,
+              ",) int64");
+  const int64_t qkv_n = (H + 2 * KVH) * D;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int j = 0; j < 2; ++j)
+      TORCH_CHECK(norms[2 * l + j].scalar_type() == at::kFloat &&
+                      norms[2 * l + j].numel() == hidden && norms[2 * l + j].is_contiguous(),
+                  "decode_layers: layer ", l, " norm ", j, " must be (", hidden, ",) float32");
+    check_weight(qweights[4 * l], qtypes[4 * l], qkv_n, hidden, "qkv_proj", l);
+    check_weight(qweights[4 * l + 1], qtypes[4 * l + 1], hidden, H * D, "o_proj", l);
+    check_weight(qweights[4 * l + 2], qtypes[4 * l + 2], 2 * I, hidden, "gate_up_proj", l);
+    check_weight(qweights[4 * l + 3], qtypes[4 * l + 3], hidden, I, "down_proj", l);
+  }
+  TORCH_CHECK(isa >= -1 && isa <= kvserve_isa::kAvx512 && isa <= kvserve_isa::best_isa(),
+              "decode_layers: isa ", isa, " is not -1 or a path this CPU supports (best: ",
+              kvserve_isa::best_isa(), ")");
+  if (isa < 0) isa = kvserve_isa::best_isa();
+  auto slots = slot_mapping.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < NB * bs, "decode_layers: slot_mapping[", b, "] = ", sp[b],
+                " is not a slot in [0, ", NB * bs, ")");
+  const int64_t width = tables.size(1);
+  const int64_t max_len = kvserve_attn::check_block_tables(
+      tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), B, bs, NB);
+
+  const float fscale = static_cast<float>(scale);  // as ATen's float op with a scalar
+  at::Tensor x = x_in.contiguous().clone();  // the residual stream, updated in place
+  if (B == 0) return x;
+  float* xp = x.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
+  // per-step buffers, reused by every layer
+  std::vector<float> h(B * hidden), qkv(B * qkv_n), q(B * H * D), attn(B * H * D),
+      proj(B * hidden), gu(B * 2 * I), act(B * I);
+  const int64_t row = KVH * D, layer_elems = NB * bs * row;
+  const int64_t elem = kv.element_size();
+  char* kv_base = static_cast<char*>(kv.data_ptr());
+
+  for (int64_t l = 0; l < L; ++l) {
+    const float* w_in = norms[2 * l].data_ptr<float>();
+    const float* w_post = norms[2 * l + 1].data_ptr<float>();
+    char* kc = kv_base + (0 * L + l) * layer_elems * elem;
+    char* vc = kv_base + (1 * L + l) * layer_elems * elem;
+
+    for (int64_t b = 0; b < B; ++b) rms_norm_row(xp + b * hidden, w_in, hidden, eps, &h[b * hidden]);
+    quant_matmul_raw(h.data(), B, hidden, qweights[4 * l].data_ptr<uint8_t>(), qtypes[4 * l], qkv_n,
+                     isa, qkv.data());
+    for (int64_t b = 0; b < B; ++b) {
+      float* r = &qkv[b * qkv_n];  // [q (H D) | k (KVH D) | v (KVH D)]
+      rotate_heads(r, H + KVH, D, cp + b * D, snp + b * D);  // q and k are adjacent
+      for (int64_t i = 0; i < H * D; ++i) q[b * H * D + i] = r[i] * fscale;
+      const int64_t off = sp[b] * row;
+      const float *k = r + H * D, *v = k + row;
+      switch (cache_dtype) {
+        case at::kFloat:
+          std::memcpy(reinterpret_cast<float*>(kc) + off, k, row * sizeof(float));
+          std::memcpy(reinterpret_cast<float*>(vc) + off, v, row * sizeof(float));
+          break;
+        case at::kBFloat16:
+          store_row(k, row, reinterpret_cast<c10::BFloat16*>(kc) + off);
+          store_row(v, row, reinterpret_cast<c10::BFloat16*>(vc) + off);
+          break;
+        default:
+          store_row(k, row, reinterpret_cast<c10::Half*>(kc) + off);
+          store_row(v, row, reinterpret_cast<c10::Half*>(vc) + off);
+      }
+    }
+    kvserve_attn::paged_attend_raw(q.data(), kc, vc, cache_dtype, tables.data_ptr<int64_t>(),
+                                   width, lens.data_ptr<int64_t>(), B, H, KVH, D, bs, max_len, isa,
+                                   attn.data());
+    quant_matmul_raw(attn.data(), B, H * D, qweights[4 * l + 1].data_ptr<uint8_t>(),
+                     qtypes[4 * l + 1], hidden, isa, proj.data());
+    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];
+
+    for (int64_t b = 0; b < B; ++b)
+      rms_norm_row(xp + b * hidden, w_post, hidden, eps, &h[b * hidden]);
+    quant_matmul_raw(h.data(), B, hidden, qweights[4 * l + 2].data_ptr<uint8_t>(),
+                     qtypes[4 * l + 2], 2 * I, isa, gu.data());
+    silu_mul(gu.data(), B, I, act.data());
+    quant_matmul_raw(act.data(), B, I, qweights[4 * l + 3].data_ptr<uint8_t>(), qtypes[4 * l + 3],
+                     hidden, isa, proj.data());
+    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def(
+      "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor slot_mapping, "
+      "Tensor block_tables, Tensor seq_lens, Tensor[] norms, Tensor[] qweights, int[] qtypes, "
+      "int num_heads, int intermediate, float eps, float scale, int isa=-1) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layers", &decode_layers_cpu); }
