@@ -1,6 +1,7 @@
 """offline-64 (shared/docs/BENCHMARKS.md): 64 requests, prompt lengths uniform in [32, 512],
 output lengths uniform in [32, 256], ignore EOS, all submitted at once. kvserve's paged engine
-vs vLLM CPU (its own venv, float32, the default model converted to an HF directory) and,
+vs vLLM CPU (its own venv, in the dtype kvserve runs -- ``auto`` resolved -- unless
+``--vllm-dtype`` says otherwise; the default model converted to an HF directory) and,
 with ``--hf``, HF transformers batched generate with its static cache; the same prompt token
 ids and output lengths, alternating within each run; medians of output tokens/s and the
 ratios.
@@ -10,7 +11,8 @@ tokens each request asked for (the same useful work kvserve does). vLLM's start-
 warm-up are not timed, only its ``generate`` call.
 
     python -m benchmarks.offline [--dtype auto] [--num-requests 64] [--runs 3] [--hf] \\
-        [--vllm-python .peers/vllm/bin/python] [--vllm-model .peers/smollm2-hf]
+        [--vllm-python .peers/vllm/bin/python] [--vllm-model .peers/smollm2-hf] \\
+        [--vllm-dtype same|float32|bfloat16]
 
 The vLLM peer and the converted model come from ``bash benchmarks/peers/setup.sh vllm``;
 without them that row is left out.
@@ -65,10 +67,11 @@ def run_hf(model, prompts: list[list[int]], outputs: list[int], batch_size: int)
     return time.perf_counter() - start
 
 
-def start_vllm(python: str, model: Path, prompts, outputs, threads: int) -> PeerProcess:
+def start_vllm(python: str, model: Path, prompts, outputs, threads: int, dtype: str) -> PeerProcess:
     work = Path(tempfile.mkdtemp(prefix="kvserve-bench-offline-")) / "workload.json"
     work.write_text(json.dumps({"prompts": prompts, "outputs": outputs}))
     args = ["--model", str(model), "--workload", str(work), "--threads", str(threads)]
+    args += ["--dtype", dtype]
     return PeerProcess(python, "vllm_offline.py", args)
 
 
@@ -93,6 +96,12 @@ def main() -> None:
         default=peers_dir() / "smollm2-hf",
         help="HF directory of the same model for vLLM (default: .peers/smollm2-hf)",
     )
+    ap.add_argument(
+        "--vllm-dtype",
+        default="same",
+        choices=["same", "float32", "bfloat16"],
+        help="vLLM's dtype (default: the one kvserve runs, auto resolved)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -103,6 +112,8 @@ def main() -> None:
         ),
         args.dtype,
     )
+    resolved = str(llm.session.model.dtype).removeprefix("torch.")  # what "auto" picked
+    vllm_dtype = None
     prompts, outputs = workload_offline(args.num_requests, llm.session.config.vocab_size)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in outputs]
     useful = sum(outputs)
@@ -121,7 +132,10 @@ def main() -> None:
         print(f"vLLM: no HF directory at {args.vllm_model}; left out", file=sys.stderr)
     else:
         print("vLLM: starting (a few minutes: it compiles)", file=sys.stderr)
-        vllm = start_vllm(args.vllm_python, args.vllm_model, prompts, outputs, args.threads)
+        vllm_dtype = resolved if args.vllm_dtype == "same" else args.vllm_dtype
+        vllm = start_vllm(
+            args.vllm_python, args.vllm_model, prompts, outputs, args.threads, vllm_dtype
+        )
 
     times: dict[str, list[float]] = {"kvserve": [], "vllm": [], "hf-static": []}
     for run in range(args.runs):  # alternate engines within each run
@@ -141,9 +155,12 @@ def main() -> None:
         vllm.close()
 
     stats = llm.engine.stats()
-    versions = f"torch={torch.__version__}" + (f" vllm={vllm_version}" if vllm_version else "")
+    versions = f"torch={torch.__version__}" + (
+        f" vllm={vllm_version} vllm dtype={vllm_dtype}" if vllm_version else ""
+    )
     print(
         f"offline-{args.num_requests}: model={llm.session.path.name} dtype={dtype} "
+        f"(kvserve runs {resolved}) "
         f"threads={args.threads} output tokens={useful} prompt tokens={sum(map(len, prompts))} "
         f"runs={args.runs} {versions} kvserve preemptions={stats.num_preemptions}"
     )

@@ -1,6 +1,6 @@
 """offline-64 on vLLM CPU (shared/docs/BENCHMARKS.md), run by the vLLM peer's own Python.
 
-Loads an HF directory in float32, warms up with one short generate (the first
+Loads an HF directory (``--dtype``, float32 by default), warms up with one short generate (the first
 ``--warmup-requests`` prompts, 8 tokens each), prints a
 ``PEER_READY`` line, then for every line read on stdin runs the workload once (all requests
 in one ``generate`` call, greedy, EOS ignored, each request its own output length) and prints
@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--warmup-requests", type=int, default=8)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     set_environment(args.threads)
 
@@ -66,7 +67,7 @@ def main() -> None:
     # no prefix caching: every run repeats the same prompts, and a hit is not the workload
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         seed=0,
         enable_prefix_caching=False,
@@ -82,7 +83,7 @@ def main() -> None:
     # warm-up: the first requests, a few tokens each (the first generate compiles)
     n = min(args.warmup_requests, len(prompts))
     warm = run_once(prompts[:n], [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)] * n)
-    ready = {"vllm": vllm.__version__, "warmup": warm}
+    ready = {"vllm": vllm.__version__, "dtype": args.dtype, "warmup": warm}
     print("PEER_READY " + json.dumps(ready), flush=True)
     for _ in sys.stdin:
         result = run_once(prompts, params)

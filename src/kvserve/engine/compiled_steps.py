@@ -66,6 +66,8 @@ def warmup_token_counts(model: LlamaForCausalLM) -> list[int]:
         policy = getattr(m, "policy", None)
         if policy is not None and policy.use_kernels:
             counts.update((max(policy.kernel_max_rows, 2), policy.kernel_max_rows + 1))
+            if policy.bf16_kernel_max_rows:
+                counts.update((policy.bf16_kernel_max_rows, policy.bf16_kernel_max_rows + 1))
     return sorted(counts)
 
 

@@ -13,7 +13,9 @@ When it runs (``FusedDecode.build`` says why not, once, at debug level):
 - every layer's qkv_proj, o_proj, gate_up_proj and down_proj are quantized (a GGUF model or
   ``--quantization``) and fused, with no biases and no q/k norm (Llama, Mistral, SmolLM);
 - the step is all decodes, and no more rows than every weight's measured kernel threshold
-  (above it the eager path's dequantize + GEMM is faster).
+  (above it the eager path's dequantize + GEMM is faster). A bfloat16 model on an
+  AVX-512-BF16 CPU multiplies each weight through the float32 or the bf16 kernel, whichever
+  ``QuantPolicy.path`` picks at the step's row count, as the eager layers would.
 
 Activations stay float32 inside (a bfloat16 model's eager layers round them to bfloat16 after
 each op), the cache is written in its own dtype. The eager layers are the reference:
@@ -52,8 +54,15 @@ class FusedDecode:
         ]
         self.qweights = [q.qweight for group in layers for q in group]
         self.qtypes = [q.qtype for group in layers for q in group]
-        self.max_rows = min(q.policy.kernel_max_rows for group in layers for q in group)
+        self.policies = [q.policy for group in layers for q in group]
+        # a bfloat16 model's weights may take the bf16 kernel above the float32 one's rows
+        self.bf16 = model.dtype == torch.bfloat16
+        self.max_rows = min(
+            max(p.kernel_max_rows, p.bf16_kernel_max_rows if self.bf16 else 0)
+            for p in self.policies
+        )
         self.isa = layers[0][0].policy.isa
+        self._bf16_flags: dict[int, list[int]] = {}  # rows -> per weight: 1 = the bf16 kernel
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, storage: KVCacheStorage) -> FusedDecode | None:
@@ -117,6 +126,11 @@ class FusedDecode:
     ) -> torch.Tensor:
         """Final hidden states (B, hidden) in the model dtype, as ``model.forward`` returns."""
         inner = self.model.model
+        rows = input_ids.shape[0]
+        flags = self._bf16_flags.get(rows)
+        if flags is None:  # the path each weight takes at this many rows (as quant_linear)
+            flags = [int(p.path(rows, self.bf16) == "bf16 kernel") for p in self.policies]
+            self._bf16_flags[rows] = flags
         x = inner.embed_tokens(input_ids).float()
         cos, sin = inner.rotary_emb(positions, torch.float32)  # (B, 1, head_dim)
         x = torch.ops.kvserve.decode_layers(
@@ -130,6 +144,7 @@ class FusedDecode:
             self.norms,
             self.qweights,
             self.qtypes,
+            flags,
             self.num_heads,
             self.intermediate,
             self.eps,

@@ -25,6 +25,11 @@ def register_fakes() -> None:
         )
         return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
+    @torch.library.register_fake("kvserve::quant_matmul_bf16")
+    def _quant_matmul_bf16(x, qweight, qtype, out_features):
+        torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
+        return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
     @torch.library.register_fake("kvserve::dequantize")
     def _dequantize(qweight, qtype, out_features, in_features, isa=-1):
         return qweight.new_empty((out_features, in_features), dtype=torch.float32)

@@ -4,6 +4,9 @@
 
 - ``kernel``: the C++ kernel that dequantizes inside the dot product
   (``torch.ops.kvserve.quant_matmul``), for up to ``policy.kernel_max_rows`` rows;
+- ``bf16 kernel``: a bfloat16 model on a CPU with AVX-512-BF16: the same with the weights
+  rounded to bfloat16 in the kernel and bf16 x bf16 dot products (``quant_matmul_bf16``),
+  for rows above ``kernel_max_rows`` up to ``bf16_kernel_max_rows``;
 - ``dequant+matmul``: the C++ dequantizer into a float32 weight, then ``F.linear`` (oneDNN);
 - ``reference``: the pure-PyTorch dequantizer, then ``F.linear`` -- the fallback wherever the
   extension did not build or is turned off, and the truth the kernels are tested against.
@@ -32,17 +35,30 @@ class QuantPolicy:
     # dequant+matmul of bfloat16 activations in bfloat16 (oneDNN, AVX-512-BF16): only where
     # the CPU has native bfloat16 (elsewhere that matmul is emulated, ~30x slower)
     native_bf16: bool = False
+    # rows in (kernel_max_rows, bf16_kernel_max_rows] of bfloat16 activations take the bf16
+    # kernel (set only where native_bf16 and the CPU has AVX-512-BF16); 0: never
+    bf16_kernel_max_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.isa not in (-1, 0, 1, 2):
             raise ValueError(f"isa must be -1, 0, 1 or 2, got {self.isa}")
         if self.kernel_max_rows < 0:
             raise ValueError(f"kernel_max_rows must be >= 0, got {self.kernel_max_rows}")
+        if self.bf16_kernel_max_rows < 0 or (self.bf16_kernel_max_rows and not self.native_bf16):
+            raise ValueError(
+                f"bf16_kernel_max_rows must be >= 0, and 0 unless native_bf16, got "
+                f"{self.bf16_kernel_max_rows} (native_bf16={self.native_bf16})"
+            )
 
-    def path(self, rows: int) -> str:
+    def path(self, rows: int, bf16: bool = False) -> str:
+        """The path ``rows`` activation rows take (``bf16``: the activations are bfloat16)."""
         if not self.use_kernels:
             return "reference"
-        return "kernel" if rows <= self.kernel_max_rows else "dequant+matmul"
+        if rows <= self.kernel_max_rows:
+            return "kernel"
+        if bf16 and rows <= self.bf16_kernel_max_rows:
+            return "bf16 kernel"
+        return "dequant+matmul"
 
 
 REFERENCE_POLICY = QuantPolicy(use_kernels=False)
@@ -54,19 +70,23 @@ def quant_linear(
     """(..., K) activations times a quantized (N, K) weight -> (..., N) in x's dtype."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # (M, K)
-    if x2.dtype != torch.float32:
-        x2 = x2.float()
-    if policy.use_kernels and x2.shape[0] <= policy.kernel_max_rows:  # the decode hot path
+    rows = x2.shape[0]
+    if policy.use_kernels and rows <= policy.kernel_max_rows:  # the decode hot path
         y = torch.ops.kvserve.quant_matmul(
-            x2.contiguous(), qweight, qtype, out_features, policy.isa
+            x2.float().contiguous(), qweight, qtype, out_features, policy.isa
         )
         return y.to(x.dtype).view(*x.shape[:-1], out_features)
-    path = policy.path(x2.shape[0])
-    if path == "dequant+matmul" and policy.native_bf16 and x.dtype == torch.bfloat16:
+    bf16 = x.dtype == torch.bfloat16
+    path = policy.path(rows, bf16)
+    if path == "bf16 kernel":  # bf16 activations as they are: no float32 copy
+        y = torch.ops.kvserve.quant_matmul_bf16(x2.contiguous(), qweight, qtype, out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], out_features)
+    if path == "dequant+matmul" and policy.native_bf16 and bf16:
         # a bfloat16 model's prefill: bf16 weights x bf16 activations, float32 accumulation
         # (what a bf16 checkpoint computes; 1.4-2x the float32 GEMM measured at 64+ rows)
         w = torch.ops.kvserve.dequantize(qweight, qtype, out_features, k).to(torch.bfloat16)
-        return F.linear(x.reshape(-1, k), w).view(*x.shape[:-1], out_features)
+        return F.linear(x2, w).view(*x.shape[:-1], out_features)
+    x2 = x2.float()
     if path == "kernel":
         y = torch.ops.kvserve.quant_matmul(
             x2.contiguous(), qweight, qtype, out_features, policy.isa

@@ -120,29 +120,48 @@ def measure_kernel_max_rows(
     in_features: int,
     isa: int,
     bf16: bool = False,
+    bf16_kernel: bool = False,
     candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
     repeat: int = 3,
-) -> int:
-    """The largest row count at which the fused kernel beats dequantize + F.linear on this
-    machine, for this weight (0: the kernel never wins). Rows are tried in increasing order and
-    the search stops at the first loss (the kernel's cost grows with rows, the dequantized
-    matmul's mostly does not). ``bf16``: the dequantized matmul runs in bfloat16 (a bf16
-    model on a CPU with native bf16), as ``quant_linear`` then does."""
-    best_rows = 0
+) -> tuple[int, int]:
+    """Row thresholds measured on this machine for this weight: ``(kernel_max_rows,
+    bf16_kernel_max_rows)`` of ``QuantPolicy``.
+
+    The float32 kernel is kept up to the largest row count at which it is the fastest path;
+    from there the bf16 kernel (``bf16_kernel``: a bfloat16 model on a CPU with AVX-512-BF16)
+    up to the largest at which it still beats dequantize + F.linear. Rows are tried in
+    increasing order and each search stops at its first loss (a kernel's cost grows with rows,
+    the dequantized matmul's mostly does not). ``bf16``: the dequantized matmul runs in
+    bfloat16 (a bf16 model on a CPU with native bf16), as ``quant_linear`` then does."""
+    kernel_rows = bf16_rows = 0
+    in_kernel = True
     for m in candidates:
         x = torch.randn(m, in_features)
         xb = x.to(torch.bfloat16)
-        fused = best_time(
-            lambda x=x: torch.ops.kvserve.quant_matmul(x, qweight, qtype, out_features, isa),
-            repeat,
-        )
 
         def dequantized(x=x, xb=xb) -> torch.Tensor:
             w = torch.ops.kvserve.dequantize(qweight, qtype, out_features, in_features)
             return F.linear(xb, w.to(torch.bfloat16)) if bf16 else F.linear(x, w)
 
         dense = best_time(dequantized, repeat)
-        if fused > dense:
+        bf16_time = (
+            best_time(
+                lambda xb=xb: torch.ops.kvserve.quant_matmul_bf16(xb, qweight, qtype, out_features),
+                repeat,
+            )
+            if bf16_kernel
+            else float("inf")
+        )
+        if in_kernel:
+            fused = best_time(
+                lambda x=x: torch.ops.kvserve.quant_matmul(x, qweight, qtype, out_features, isa),
+                repeat,
+            )
+            if fused <= min(dense, bf16_time):
+                kernel_rows = m
+                continue
+            in_kernel = False
+        if bf16_time > dense:
             break
-        best_rows = m
-    return best_rows
+        bf16_rows = m
+    return kernel_rows, bf16_rows

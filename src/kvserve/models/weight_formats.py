@@ -72,6 +72,17 @@ class WeightsReport:
         return f"{self.resident_bytes / 2**20:.1f} MiB resident ({formats})"
 
 
+def describe_policy(policy: QuantPolicy) -> str:
+    """One line for ``kvserve info`` and the load log: which path takes which row counts."""
+    if not policy.use_kernels:
+        return "reference (PyTorch dequantize + matmul)"
+    isa = ISA_NAMES[policy.isa if policy.isa >= 0 else 2]
+    text = f"kernel ({isa}) up to {policy.kernel_max_rows} rows"
+    if policy.bf16_kernel_max_rows > policy.kernel_max_rows:
+        text += f", bf16 kernel (avx512_bf16) up to {policy.bf16_kernel_max_rows}"
+    return text + ", dequant+matmul above"
+
+
 def resident_bytes(model: nn.Module) -> int:
     """Bytes of every distinct parameter and buffer storage (a tied weight counts once)."""
     seen: dict[int, int] = {}
@@ -109,8 +120,18 @@ def _policies(
             out[key] = QuantPolicy(use_kernels=False)
             continue
         bf16 = features.native_bf16 and dtype == torch.bfloat16
-        rows = measure_kernel_max_rows(q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16)
-        out[key] = QuantPolicy(use_kernels=True, isa=isa, kernel_max_rows=rows, native_bf16=bf16)
+        # the bf16 kernel needs AVX-512-BF16 itself (AMX-only CPUs have it too, in practice)
+        bf16_kernel = bf16 and features.avx512_bf16 and features.avx512
+        rows, bf16_rows = measure_kernel_max_rows(
+            q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16, bf16_kernel
+        )
+        out[key] = QuantPolicy(
+            use_kernels=True,
+            isa=isa,
+            kernel_max_rows=rows,
+            native_bf16=bf16,
+            bf16_kernel_max_rows=bf16_rows,
+        )
     return out
 
 
@@ -193,12 +214,7 @@ def finalize_weights(
         data = q.data.to(device)
         fmt = GGMLQuantizationType(q.qtype).name
         report.tensors_by_format[fmt] += 1
-        report.paths[fmt] = (
-            f"kernel ({ISA_NAMES[policy.isa if policy.isa >= 0 else 2]}) up to "
-            f"{policy.kernel_max_rows} rows, dequant+matmul above"
-            if policy.use_kernels
-            else "reference (PyTorch dequantize + matmul)"
-        )
+        report.paths[fmt] = describe_policy(policy)
         if name == embed_name:
             rows, dim = q.shape
             _set_module(model, module_name, QuantizedEmbedding(data, q.qtype, rows, dim, dtype))

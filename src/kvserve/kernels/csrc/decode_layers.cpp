@@ -29,7 +29,9 @@
 //   block_tables (B, width) int64, seq_lens (B,) int64 (this token included)
 //   norms        2 per layer: input_layernorm, post_attention_layernorm (hidden,) float32
 //   qweights     4 per layer: qkv_proj, o_proj, gate_up_proj, down_proj (GGUF rows, uint8),
-//                qtypes their GGML type ids
+//                qtypes their GGML type ids; bf16[j] != 0: weight j multiplies through the
+//                bf16 kernel (quant_matmul_bf16_raw), its input rounded to bfloat16 first (a
+//                bfloat16 model on an AVX-512-BF16 CPU, at row counts where that is faster)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -89,6 +91,18 @@ void silu_mul(const float* gu, int64_t rows, int64_t I, float* act) {
   });
 }
 
+// out (B, N) = in (B, K) @ W^T through the float32 or the bf16 kernel; xb: scratch for the
+// bfloat16 copy of the input.
+void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t qtype,
+             int64_t N, bool bf16, int64_t isa, std::vector<uint16_t>& xb, float* out) {
+  if (bf16) {
+    kvserve_quant::f32_to_bf16(in, B * K, xb.data());
+    kvserve_quant::quant_matmul_bf16_raw(xb.data(), B, K, w.data_ptr<uint8_t>(), qtype, N, out);
+  } else {
+    quant_matmul_raw(in, B, K, w.data_ptr<uint8_t>(), qtype, N, isa, out);
+  }
+}
+
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, const char* what,
                   int64_t layer) {
   const kvserve_quant::Format* f = find_format(qtype);
@@ -107,7 +121,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
                              const at::Tensor& kv, const at::Tensor& slot_mapping,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              at::TensorList norms, at::TensorList qweights,
-                             at::IntArrayRef qtypes, int64_t num_heads, int64_t intermediate,
+                             at::IntArrayRef qtypes, at::IntArrayRef bf16, int64_t num_heads, int64_t intermediate,
                              double eps, double scale, int64_t isa) {
   // ---- checks: everything the raw loops below rely on ----
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
@@ -126,7 +140,8 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
               " must be a multiple of kv_heads ", KVH, " and head_dim ", D, " even");
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L &&
                   static_cast<int64_t>(qweights.size()) == 4 * L &&
-                  static_cast<int64_t>(qtypes.size()) == 4 * L,
+                  static_cast<int64_t>(qtypes.size()) == 4 * L &&
+                  static_cast<int64_t>(bf16.size()) == 4 * L,
               "decode_layers: ", L, " layers need ", 2 * L, " norms and ", 4 * L,
               " quantized weights and types, got ", norms.size(), ", ", qweights.size(), ", ",
               qtypes.size());
@@ -153,6 +168,9 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     check_weight(qweights[4 * l + 2], qtypes[4 * l + 2], 2 * I, hidden, "gate_up_proj", l);
     check_weight(qweights[4 * l + 3], qtypes[4 * l + 3], hidden, I, "down_proj", l);
   }
+  for (int64_t j = 0; j < 4 * L; ++j)
+    TORCH_CHECK(!bf16[j] || kvserve_quant::has_avx512_bf16(), "decode_layers: weight ", j,
+                " asks for the bf16 kernel, which needs AVX-512-BF16 (this CPU lacks it)");
   TORCH_CHECK(isa >= -1 && isa <= kvserve_isa::kAvx512 && isa <= kvserve_isa::best_isa(),
               "decode_layers: isa ", isa, " is not -1 or a path this CPU supports (best: ",
               kvserve_isa::best_isa(), ")");
@@ -176,6 +194,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   // per-step buffers, reused by every layer
   std::vector<float> h(B * hidden), qkv(B * qkv_n), q(B * H * D), attn(B * H * D),
       proj(B * hidden), gu(B * 2 * I), act(B * I);
+  std::vector<uint16_t> xb(B * std::max({hidden, H * D, I}));  // bf16 copy of a matmul input
   const int64_t row = KVH * D, layer_elems = NB * bs * row;
   const int64_t elem = kv.element_size();
   char* kv_base = static_cast<char*>(kv.data_ptr());
@@ -187,8 +206,8 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     char* vc = kv_base + (1 * L + l) * layer_elems * elem;
 
     for (int64_t b = 0; b < B; ++b) rms_norm_row(xp + b * hidden, w_in, hidden, eps, &h[b * hidden]);
-    quant_matmul_raw(h.data(), B, hidden, qweights[4 * l].data_ptr<uint8_t>(), qtypes[4 * l], qkv_n,
-                     isa, qkv.data());
+    const int64_t j = 4 * l;  // this layer's first weight
+    project(h.data(), B, hidden, qweights[j], qtypes[j], qkv_n, bf16[j], isa, xb, qkv.data());
     for (int64_t b = 0; b < B; ++b) {
       float* r = &qkv[b * qkv_n];  // [q (H D) | k (KVH D) | v (KVH D)]
       rotate_heads(r, H + KVH, D, cp + b * D, snp + b * D);  // q and k are adjacent
@@ -212,17 +231,17 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     kvserve_attn::paged_attend_raw(q.data(), kc, vc, cache_dtype, tables.data_ptr<int64_t>(),
                                    width, lens.data_ptr<int64_t>(), B, H, KVH, D, bs, max_len, isa,
                                    attn.data());
-    quant_matmul_raw(attn.data(), B, H * D, qweights[4 * l + 1].data_ptr<uint8_t>(),
-                     qtypes[4 * l + 1], hidden, isa, proj.data());
+    project(attn.data(), B, H * D, qweights[j + 1], qtypes[j + 1], hidden, bf16[j + 1], isa, xb,
+            proj.data());
     for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];
 
     for (int64_t b = 0; b < B; ++b)
       rms_norm_row(xp + b * hidden, w_post, hidden, eps, &h[b * hidden]);
-    quant_matmul_raw(h.data(), B, hidden, qweights[4 * l + 2].data_ptr<uint8_t>(),
-                     qtypes[4 * l + 2], 2 * I, isa, gu.data());
+    project(h.data(), B, hidden, qweights[j + 2], qtypes[j + 2], 2 * I, bf16[j + 2], isa, xb,
+            gu.data());
     silu_mul(gu.data(), B, I, act.data());
-    quant_matmul_raw(act.data(), B, I, qweights[4 * l + 3].data_ptr<uint8_t>(), qtypes[4 * l + 3],
-                     hidden, isa, proj.data());
+    project(act.data(), B, I, qweights[j + 3], qtypes[j + 3], hidden, bf16[j + 3], isa, xb,
+            proj.data());
     for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];
   }
   return x;
@@ -234,6 +253,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor[] norms, Tensor[] qweights, int[] qtypes, "
+      "int[] bf16, "
       "int num_heads, int intermediate, float eps, float scale, int isa=-1) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layers", &decode_layers_cpu); }

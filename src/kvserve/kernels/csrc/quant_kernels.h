@@ -95,6 +95,17 @@ const IsaKernels& isa_kernels(int64_t isa);  // isa must be supported (checked b
 void quant_matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype,
                       int64_t N, int64_t isa, float* out);
 
+// True on an x86-64 CPU with AVX-512 (F/BW/VL/DQ) and AVX-512-BF16 (VDPBF16PS).
+bool has_avx512_bf16();
+
+// out (M, N) float32 = x (M, K) bfloat16 @ bf16(dequantize(w)).T (quant_bf16.cpp). No checks:
+// the caller has validated shapes and qtype, and has_avx512_bf16().
+void quant_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
+                           int64_t qtype, int64_t N, float* out);
+
+// dst[i] = bfloat16(src[i]), round to nearest even (AVX-512-BF16 where the CPU has it).
+void f32_to_bf16(const float* src, int64_t n, uint16_t* dst);
+
 // fp16 bits -> float (portable; once per block, so speed does not matter).
 float half_to_float(uint16_t bits);
 

@@ -1,0 +1,202 @@
+// kvserve::quant_matmul_bf16: bfloat16 activations times GGUF-quantized weights on CPUs with
+// AVX-512-BF16 (Zen 4/5, Cooper Lake, Sapphire Rapids and later).
+//
+//   x        (M, K) bfloat16, contiguous: a bfloat16 model's activations, as they are
+//   qweight  (N, K / block_elems * block_bytes) uint8: a GGUF 2-D tensor's rows
+//   out      (M, N) float32 = x @ bf16(dequantize(qweight)).T, accumulated in float32
+//
+// The arithmetic of the bfloat16 dequantize-then-matmul path (weights dequantized to float32,
+// rounded to bfloat16, bf16 x bf16 products summed in float32, as oneDNN's bf16 GEMM does),
+// without materializing the weight: per tile of kNR weight rows and chunk of K, the rows are
+// dequantized (the AVX-512 decoders of quant_isa.cpp), rounded to bfloat16 into an L1 buffer,
+// and every activation row is multiplied against it with VDPBF16PS (32 products per
+// instruction, twice the float32 FMA's) in register tiles of up to 4 x 4. Products of two
+// bfloat16 values are exact in float32; only the summation order (and VDPBF16PS's flushing of
+// denormals) differ from the GEMM.
+//
+// Why: a bfloat16 model's batches of 64 decodes (offline serving) went through dequantize +
+// GEMM every step, re-expanding all weights to 4 bytes each per step; the float32 kernel
+// spends twice the instructions per product.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "quant_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve_quant {
+
+bool has_avx512_bf16() {
+#if defined(__x86_64__)
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return best_isa() >= kAvx512 && __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+#if defined(__x86_64__)
+#define KV_BF16 __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+// n floats (a multiple of 32) -> bfloat16, round to nearest even
+KV_BF16 void to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(v));
+  }
+}
+
+// out[m * ldo + r] (=, or +=) sum_k x[m * ldx + k] * w[r * ldw + k], bf16 inputs, f32 sums;
+// m < MT, r < nr <= kNR, k < kc (a multiple of 32)
+template <int MT>
+KV_BF16 void tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t kc,
+                       float* out, int64_t ldo, int nr, bool accumulate) {
+  constexpr int U = MT == 1 ? 2 : 1;  // k unroll at one row: 8 accumulators in flight
+  __m512 acc[U][MT][kNR];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MT; ++m)
+      for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 * U <= kc; k += 32 * U) {
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u) {
+      __m512bh wv[kNR];
+      for (int r = 0; r < kNR; ++r)
+        wv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * ldw + k + 32 * u));
+      for (int m = 0; m < MT; ++m) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k + 32 * u));
+        for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm512_dpbf16_ps(acc[u][m][r], xv, wv[r]);
+      }
+    }
+  }
+  for (; k < kc; k += 32) {  // kc % 64 == 32 at MT == 1
+    __m512bh wv[kNR];
+    for (int r = 0; r < kNR; ++r)
+      wv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * ldw + k));
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k));
+      for (int r = 0; r < kNR; ++r) acc[0][m][r] = _mm512_dpbf16_ps(acc[0][m][r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < nr; ++r) {
+      __m512 a = acc[0][m][r];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][m][r]);
+      const float s = _mm512_reduce_add_ps(a);
+      out[m * ldo + r] = accumulate ? out[m * ldo + r] + s : s;
+    }
+}
+
+using TileBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*,
+                          int64_t, int, bool);
+constexpr int kMaxMTBf16 = 4;
+constexpr TileBf16 kTiles[kMaxMTBf16 + 1] = {nullptr, tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,
+                                             tile_bf16<4>};
+#endif  // __x86_64__
+
+}  // namespace
+
+void f32_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+#if defined(__x86_64__)
+  if (has_avx512_bf16()) {
+    i = n - n % 32;
+    to_bf16(src, i, dst);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]).x;  // round to nearest even, as above
+}
+
+void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp,
+                           int64_t qtype, int64_t N, float* op) {
+#if defined(__x86_64__)
+  const Format& f = *find_format(qtype);
+  const IsaKernels& ik = isa_kernels(kAvx512);
+  const int64_t row_bytes = K / f.block_elems * f.block_bytes;
+  const int64_t ntiles = (N + kNR - 1) / kNR;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * kNR));
+  at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+    alignas(64) float wf[kChunk];              // one row's chunk, float32
+    alignas(64) uint16_t wbuf[kNR * kChunk];  // (kNR, kChunk) bfloat16, 8 KiB
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kNR;
+      const int nr = static_cast<int>(std::min<int64_t>(kNR, N - n0));
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t kc = std::min(kChunk, K - k0);
+        for (int r = 0; r < kNR; ++r) {
+          uint16_t* dst = wbuf + r * kChunk;
+          if (r < nr) {
+            ik.dequant[f.index](wp + (n0 + r) * row_bytes + k0 / f.block_elems * f.block_bytes,
+                                kc / f.block_elems, wf);
+            to_bf16(wf, kc, dst);
+          } else {
+            std::memset(dst, 0, kc * sizeof(uint16_t));  // tail tile: rows beyond N
+          }
+        }
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxMTBf16) {
+          const int mt = static_cast<int>(std::min<int64_t>(kMaxMTBf16, M - m0));
+          kTiles[mt](wbuf, kChunk, xp + m0 * K + k0, K, kc, op + m0 * N + n0, N, nr, k0 > 0);
+        }
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "kvserve: quant_matmul_bf16 needs an x86-64 CPU with AVX-512-BF16");
+#endif
+}
+
+namespace {
+
+at::Tensor quant_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                                 int64_t out_features) {
+  TORCH_CHECK(has_avx512_bf16(), "kvserve: quant_matmul_bf16 needs AVX-512-BF16, which this "
+              "CPU lacks (use quant_matmul with float32 activations)");
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "kvserve: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "kvserve: x must be a contiguous 2-D bfloat16 tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const Format* f = find_format(qtype);
+  TORCH_CHECK(f != nullptr, "kvserve: unsupported GGML quantization type ", qtype);
+  TORCH_CHECK(K % f->block_elems == 0, "kvserve: in_features ", K,
+              " is not a multiple of the block size ", f->block_elems);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.size(0) == N &&
+                  qweight.size(1) == K / f->block_elems * f->block_bytes,
+              "kvserve: qweight of type ", qtype, " for (", N, ", ", K, ") must be uint8 (", N,
+              ", ", K / f->block_elems * f->block_bytes, "), got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  const at::Tensor w = qweight.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  quant_matmul_bf16_raw(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K,
+                        w.data_ptr<uint8_t>(), qtype, N, out.data_ptr<float>());
+  return out;
+}
+
+bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
+
+}  // namespace
+
+}  // namespace kvserve_quant
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("quant_matmul_bf16(Tensor x, Tensor qweight, int qtype, int out_features) -> Tensor");
+  m.def("cpu_has_avx512_bf16() -> bool", &kvserve_quant::cpu_has_avx512_bf16);
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("quant_matmul_bf16", &kvserve_quant::quant_matmul_bf16_cpu);
+}

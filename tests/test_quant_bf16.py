@@ -1,0 +1,125 @@
+"""The bfloat16 quantized kernel (kvserve::quant_matmul_bf16) and where it is chosen.
+
+- against its definition: bf16 activations times bf16(dequantize(W)), summed in float32
+  (computed here in float64), for every format and tile-edge shape;
+- the policy picks it only for bfloat16 activations, only where it was measured faster, and
+  never on a CPU without AVX-512-BF16 (KVSERVE_CPU_FEATURES=avx512 caps it off);
+- the fused decode step through it agrees with the eager layers through it.
+
+The kernel itself needs AVX-512-BF16: on a CPU without it (Zen 3) those tests skip, saying so,
+and the policy tests still run (they check it is never chosen there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from test_fused_decode import both_ways, load, prefilled
+from test_quant_kernels import M_VALUES, k_values, random_blocks
+
+from kvserve.kernels.build import build_kernels
+from kvserve.kernels.quant_ops import QuantPolicy, quant_linear
+from kvserve.kernels.quant_ref import SUPPORTED_QTYPES, dequantize_ref
+from kvserve.models.gguf_checkpoint import QuantizedTensor
+from kvserve.models.quantized_linear import QuantizedLinear
+from kvserve.models.weight_formats import _policies
+from kvserve.platform import detect_cpu_features
+
+
+@pytest.fixture(scope="module")
+def bf16_kernel() -> None:
+    build_kernels()  # a build failure is an error, not a skip
+    if not torch.ops.kvserve.cpu_has_avx512_bf16():
+        pytest.skip("this CPU lacks AVX-512-BF16: the bf16 kernel is never chosen here")
+
+
+def definition(x: torch.Tensor, w: torch.Tensor, qtype: QT, n: int, k: int) -> torch.Tensor:
+    wb = dequantize_ref(w, qtype, n, k).bfloat16().double()
+    return x.double() @ wb.T
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_matches_its_definition(bf16_kernel: None, qtype: QT) -> None:
+    g = torch.Generator().manual_seed(3)
+    for k in k_values(qtype):  # odd multiples of 32 hit the one-row tile's tail
+        for n in (1, 5, 64):  # tails of the 4-row weight tile
+            w = random_blocks(qtype, n, k, seed=n + k)
+            for m in M_VALUES:
+                x = torch.randn(m, k, generator=g).bfloat16()
+                got = torch.ops.kvserve.quant_matmul_bf16(x, w, int(qtype), n)
+                want = definition(x, w, qtype, n, k)
+                assert got.dtype == torch.float32 and got.shape == (m, n)
+                # exact products, float32 sums: error ~ K * eps * |x||w|
+                bound = 1e-6 * k * (x.double().abs() @ wb_abs(w, qtype, n, k).T) + 1e-30
+                assert ((got.double() - want).abs() <= bound).all(), (qtype.name, m, n, k)
+
+
+def wb_abs(w: torch.Tensor, qtype: QT, n: int, k: int) -> torch.Tensor:
+    return dequantize_ref(w, qtype, n, k).bfloat16().double().abs()
+
+
+def test_refuses_float32_activations(bf16_kernel: None) -> None:
+    w = random_blocks(QT.Q8_0, 4, 64)
+    with pytest.raises(RuntimeError, match="x must be a contiguous 2-D bfloat16 tensor"):
+        torch.ops.kvserve.quant_matmul_bf16(torch.randn(2, 64), w, int(QT.Q8_0), 4)
+
+
+def test_policy_routes_rows() -> None:
+    policy = QuantPolicy(
+        use_kernels=True, kernel_max_rows=4, native_bf16=True, bf16_kernel_max_rows=64
+    )
+    assert [policy.path(m, bf16=True) for m in (1, 4, 5, 64, 65)] == [
+        "kernel",
+        "kernel",
+        "bf16 kernel",
+        "bf16 kernel",
+        "dequant+matmul",
+    ]
+    assert policy.path(5, bf16=False) == "dequant+matmul"  # float32 activations: never
+    with pytest.raises(ValueError, match="bf16_kernel_max_rows must be >= 0, and 0 unless"):
+        QuantPolicy(use_kernels=True, bf16_kernel_max_rows=8)
+
+
+def test_eager_linear_through_the_bf16_kernel(bf16_kernel: None) -> None:
+    n, k = 8, 96
+    w = random_blocks(QT.Q4_1, n, k)
+    policy = QuantPolicy(
+        use_kernels=True, kernel_max_rows=0, native_bf16=True, bf16_kernel_max_rows=64
+    )
+    x = torch.randn(3, 5, k).bfloat16()
+    got = quant_linear(x, w, int(QT.Q4_1), n, policy)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 5, n)
+    want = definition(x.reshape(-1, k), w, QT.Q4_1, n, k).reshape(3, 5, n)
+    torch.testing.assert_close(got.double(), want.bfloat16().double(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avx512"])
+def test_never_chosen_without_avx512_bf16(cap: str) -> None:
+    build_kernels()
+    features = detect_cpu_features(cap)
+    assert not features.avx512_bf16
+    w = random_blocks(QT.Q8_0, 64, 64)
+    policies = _policies(
+        {"w": QuantizedTensor(w, int(QT.Q8_0), (64, 64))},
+        torch.device("cpu"),
+        features,
+        torch.bfloat16,
+    )
+    assert all(p.bf16_kernel_max_rows == 0 for p in policies.values())
+
+
+def test_fused_decode_through_the_bf16_kernel(bf16_kernel: None, tmp_path: Path) -> None:
+    model = load(tmp_path, dtype="bfloat16")
+    forced = QuantPolicy(
+        use_kernels=True, kernel_max_rows=0, native_bf16=True, bf16_kernel_max_rows=64
+    )
+    for m in model.modules():  # every quantized layer, eager and fused, on the bf16 kernel
+        if isinstance(m, QuantizedLinear):
+            m.policy = forced
+    storage, md, ids, pos = prefilled(model, [6, 11])
+    (eager, eager_kv), (got, got_kv) = both_ways(model, storage, md, ids, pos)
+    torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(got_kv.float(), eager_kv.float(), rtol=0.05, atol=0.05)
