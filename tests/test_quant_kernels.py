@@ -127,6 +127,32 @@ def test_quant_matmul_matches_reference(kernels: None, qtype: QT, isa: int) -> N
         assert bool((err <= bound).all()), (qtype.name, isa, m, n, k, float((err / bound).max()))
 
 
+# rows from which quant_matmul (float32, AVX-512) and quant_matmul_bf16 switch to the panel
+# GEMM (kGemmMinRows in csrc/quant_kernels.h); 401 = 66 tiles of 6 and a 5-row tail
+GEMM_ROWS = 401
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_many_rows_gemm_path_matches_reference(kernels: None, qtype: QT) -> None:
+    g = torch.Generator().manual_seed(2)
+    best = int(torch.ops.kvserve.cpu_isa())
+    # N: one partial 64-row panel, two panels and a tail; K: across 256-value panel chunks
+    for n, k in [(5, k_values(qtype)[1]), (130, k_values(qtype)[3])]:
+        w = random_blocks(qtype, n, k, seed=n)
+        x = torch.randn(GEMM_ROWS, k, generator=g)
+        wf = dequantize_ref(w, qtype, n, k)
+        expected = reference_quant_matmul(x, w, qtype, n)
+        bound = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
+        got = torch.ops.kvserve.quant_matmul(x, w, int(qtype), n, best)
+        assert bool(((got - expected).abs() <= bound).all()), (qtype.name, n, k)
+        if torch.ops.kvserve.cpu_has_avx512_bf16():
+            xb = x.bfloat16()
+            want = xb.double() @ wf.bfloat16().double().T
+            got = torch.ops.kvserve.quant_matmul_bf16(xb, w, int(qtype), n).double()
+            bound = 1e-5 * (xb.double().abs() @ wf.bfloat16().double().abs().T) + 1e-30
+            assert bool(((got - want).abs() <= bound).all()), ("bf16", qtype.name, n, k)
+
+
 def test_unsupported_isa_raises(kernels: None) -> None:
     w = random_blocks(QT.Q8_0, 4, 64)
     x = torch.randn(2, 64)

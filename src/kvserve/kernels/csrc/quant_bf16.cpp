@@ -99,6 +99,91 @@ KV_BF16 void tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_
     }
 }
 
+// ---- many rows: outer-product GEMM over bf16 weight panels (as quant_gemm.cpp for float32)
+// panel (kc / 2, 64, 2): k pairs interleaved per output column, so one zmm holds 16 columns x
+// 2 k values, the layout VDPBF16PS multiplies against a broadcast pair of activations.
+constexpr int kPanel = 64;
+constexpr int kMB = 6;
+constexpr int64_t kKc = 256;
+
+template <int MB>
+KV_BF16 void gemm_tile_bf16(const uint16_t* panel, const uint16_t* x, int64_t ldx, int64_t kc,
+                            float* out, int64_t ldo, __mmask16 const* masks, bool accumulate) {
+  __m512 acc[MB][4];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; k += 2) {
+    const uint16_t* pk = panel + k * kPanel;  // (64, 2) for this pair
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_load_si512(pk)),
+                   w1 = reinterpret_cast<__m512bh>(_mm512_load_si512(pk + 32)),
+                   w2 = reinterpret_cast<__m512bh>(_mm512_load_si512(pk + 64)),
+                   w3 = reinterpret_cast<__m512bh>(_mm512_load_si512(pk + 96));
+    for (int i = 0; i < MB; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * ldx + k, sizeof pair);
+      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], xb, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], xb, w1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], xb, w2);
+      acc[i][3] = _mm512_dpbf16_ps(acc[i][3], xb, w3);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < 4; ++j) {
+      float* o = out + i * ldo + 16 * j;
+      __m512 v = acc[i][j];
+      if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(masks[j], o), v);
+      _mm512_mask_storeu_ps(o, masks[j], v);
+    }
+}
+
+using GemmTileBf16 = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*,
+                              int64_t, __mmask16 const*, bool);
+constexpr GemmTileBf16 kGemmTiles[kMB + 1] = {nullptr,           gemm_tile_bf16<1>,
+                                              gemm_tile_bf16<2>, gemm_tile_bf16<3>,
+                                              gemm_tile_bf16<4>, gemm_tile_bf16<5>,
+                                              gemm_tile_bf16<6>};
+
+// (rows, kc) float32 row-major -> the (kc / 2, 64, 2) bf16 panel (missing rows zero)
+void build_panel(const float* src, int64_t kc, int rows, uint16_t* dst) {
+  if (rows < kPanel) std::memset(dst, 0, kc * kPanel * sizeof(uint16_t));
+  for (int r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < kc; k += 2) {
+      dst[k * kPanel + 2 * r] = c10::BFloat16(src[r * kc + k]).x;
+      dst[k * kPanel + 2 * r + 1] = c10::BFloat16(src[r * kc + k + 1]).x;
+    }
+}
+
+void gemm_bf16(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, const Format& f,
+               const IsaKernels& ik, int64_t N, float* op) {
+  const int64_t row_bytes = K / f.block_elems * f.block_bytes;
+  const int64_t npanels = (N + kPanel - 1) / kPanel;
+  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
+    alignas(64) float rows_buf[kPanel * kKc];     // (64, kc) dequantized
+    alignas(64) uint16_t panel[kKc * kPanel];     // (kc / 2, 64, 2) bf16
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel;
+      const int nr = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
+      __mmask16 masks[4];
+      for (int j = 0; j < 4; ++j) {
+        const int left = std::clamp(nr - 16 * j, 0, 16);
+        masks[j] = left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      }
+      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+        const int64_t kc = std::min(kKc, K - k0);
+        for (int r = 0; r < nr; ++r)
+          ik.dequant[f.index](wp + (n0 + r) * row_bytes + k0 / f.block_elems * f.block_bytes,
+                              kc / f.block_elems, rows_buf + r * kc);
+        build_panel(rows_buf, kc, nr, panel);
+        for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+          const int mb = static_cast<int>(std::min<int64_t>(kMB, M - m0));
+          kGemmTiles[mb](panel, xp + m0 * K + k0, K, kc, op + m0 * N + n0, N, masks, k0 > 0);
+        }
+      }
+    }
+  });
+}
+
 using TileBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*,
                           int64_t, int, bool);
 constexpr int kMaxMTBf16 = 4;
@@ -124,6 +209,7 @@ void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8
 #if defined(__x86_64__)
   const Format& f = *find_format(qtype);
   const IsaKernels& ik = isa_kernels(kAvx512);
+  if (M >= kGemmMinRows) return gemm_bf16(xp, M, K, wp, f, ik, N, op);
   const int64_t row_bytes = K / f.block_elems * f.block_bytes;
   const int64_t ntiles = (N + kNR - 1) / kNR;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * kNR));

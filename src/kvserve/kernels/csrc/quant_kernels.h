@@ -95,6 +95,13 @@ const IsaKernels& isa_kernels(int64_t isa);  // isa must be supported (checked b
 void quant_matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype,
                       int64_t N, int64_t isa, float* out);
 
+// The many-rows path of quant_matmul_raw (quant_gemm.cpp): out = x @ dequantize(w).T through
+// transposed weight panels; false (nothing written) when the CPU lacks AVX-512.
+bool quant_gemm_avx512(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype,
+                       int64_t N, float* out);
+constexpr int64_t kGemmMinRows = 384;  // rows from which quant_matmul takes it (measured: the
+                                       // dot tiles win below, their activations in L2)
+
 // True on an x86-64 CPU with AVX-512 (F/BW/VL/DQ) and AVX-512-BF16 (VDPBF16PS).
 bool has_avx512_bf16();
 

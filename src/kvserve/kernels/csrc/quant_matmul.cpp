@@ -34,6 +34,7 @@ namespace kvserve_quant {
 
 void quant_matmul_raw(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t qtype,
                       int64_t N, int64_t isa, float* op) {
+  if (isa == kAvx512 && M >= kGemmMinRows && quant_gemm_avx512(xp, M, K, wp, qtype, N, op)) return;
   const Format& f = *find_format(qtype);
   const IsaKernels& ik = isa_kernels(isa);
   const int64_t row_bytes = K / f.block_elems * f.block_bytes;
