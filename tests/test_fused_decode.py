@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_hf_checkpoint, random_token_ids
+from test_quant_kernels import kernels  # noqa: F401 - the fixture: the extension, built
 
 from kvserve.engine.fused_decode import FusedDecode
-from kvserve.kernels.build import build_kernels
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.loader import load_model
@@ -20,9 +20,7 @@ from kvserve.paged_attention import AttentionMetadata, PagedAttention
 BLOCK = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def kernels() -> None:
-    build_kernels()  # a broken build fails here, with the compiler's output
+pytestmark = pytest.mark.usefixtures("kernels")
 
 
 def load(tmp_path: Path, dtype: str = "float32", quantization: str = "q8_0", **overrides):

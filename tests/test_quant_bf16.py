@@ -18,9 +18,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 from test_fused_decode import both_ways, load, prefilled
-from test_quant_kernels import M_VALUES, k_values, random_blocks
+from test_quant_kernels import (
+    M_VALUES,
+    k_values,
+    kernels,  # noqa: F401 - the fixture: the extension, built
+    random_blocks,
+)
 
-from kvserve.kernels.build import build_kernels
 from kvserve.kernels.quant_ops import QuantPolicy, quant_linear
 from kvserve.kernels.quant_ref import SUPPORTED_QTYPES, dequantize_ref
 from kvserve.models.gguf_checkpoint import QuantizedTensor
@@ -30,8 +34,7 @@ from kvserve.platform import detect_cpu_features
 
 
 @pytest.fixture(scope="module")
-def bf16_kernel() -> None:
-    build_kernels()  # a build failure is an error, not a skip
+def bf16_kernel(kernels: None) -> None:  # noqa: F811 - uses the imported fixture
     if not torch.ops.kvserve.cpu_has_avx512_bf16():
         pytest.skip("this CPU lacks AVX-512-BF16: the bf16 kernel is never chosen here")
 
@@ -97,8 +100,7 @@ def test_eager_linear_through_the_bf16_kernel(bf16_kernel: None) -> None:
 
 
 @pytest.mark.parametrize("cap", ["avx2", "avx512"])
-def test_never_chosen_without_avx512_bf16(cap: str) -> None:
-    build_kernels()
+def test_never_chosen_without_avx512_bf16(kernels: None, cap: str) -> None:  # noqa: F811
     features = detect_cpu_features(cap)
     assert not features.avx512_bf16
     w = random_blocks(QT.Q8_0, 64, 64)

@@ -97,8 +97,7 @@ class ModelRunner:
             key=lambda s: (s.num_new_tokens != 1, s.num_computed_tokens + s.num_new_tokens),
         )
         input_ids, positions, md = self.build_metadata(order, requests)
-        self._last_fused = self.fused is not None and self.fused.fits(md)
-        if self._last_fused:
+        if self.fused is not None and self.fused.fits(md):
             hidden = self.fused(input_ids, positions, md, self.storage)
         else:
             attn = PagedAttention(self.storage, md)

@@ -52,9 +52,9 @@ namespace {
 using kvserve_quant::find_format;
 using kvserve_quant::quant_matmul_raw;
 
-// y[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i], one row of n. The mean is accumulated in
-// double then rounded, as torch.rms_norm's CPU kernel (opmath) does not promise; the rows are
-// short (hidden), so this costs nothing and is at least as accurate as the eager op.
+// y[i] = w[i] * (x[i] * rsqrt(mean(x^2) + eps)), one row of n, in the eager op's order. The
+// sum of squares is accumulated in double (rows are `hidden` long, so it costs nothing): at
+// least as accurate as torch.rms_norm's float32 accumulation, equal to it within rounding.
 void rms_norm_row(const float* x, const float* w, int64_t n, double eps, float* y) {
   double ss = 0.0;
   for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
