@@ -12,10 +12,13 @@ from conftest import make_hf_checkpoint, random_token_ids
 from test_quant_kernels import kernels  # noqa: F401 - the fixture: the extension, built
 
 from kvserve.engine.fused_decode import FusedDecode
+from kvserve.engine.llm import LLM
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.loader import load_model
 from kvserve.paged_attention import AttentionMetadata, PagedAttention
+from kvserve.sampling import SamplingParams
+from kvserve.session import ModelSession
 
 BLOCK = 4
 
@@ -157,3 +160,22 @@ def test_bad_inputs_raise_naming_the_value(tmp_path: Path) -> None:
     fused.qtypes = fused.qtypes[:-1]
     with pytest.raises(RuntimeError, match="2 layers need 4 norms and 8 quantized weights"):
         fused(ids, pos, md, storage)
+
+
+def test_engine_tokens_equal_with_the_kernels_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback of the fused step: with KVSERVE_KERNELS=0 after load, decode steps run
+    layer by layer (eager here) with the gathered-SDPA attention, and must give the fused
+    step's greedy tokens (float32)."""
+    path, _ = make_hf_checkpoint(tmp_path, "llama", num_key_value_heads=2)
+    session = ModelSession.open(path, "float32", "cpu", quantization="q8_0")
+    prompts = [random_token_ids(n, seed=n) for n in (5, 9, 14)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(session=session, num_kv_blocks=64, block_size=BLOCK, enforce_eager=True)
+    assert llm.engine.fused_decode is not None
+    fused = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("KVSERVE_KERNELS", "0")
+    assert not llm.engine.fused_decode.fits(metadata([[1]], [0, 1], [1], [4]))
+    fallback = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert fallback == fused

@@ -49,7 +49,6 @@
 
 namespace {
 
-using kvserve_quant::find_format;
 using kvserve_quant::quant_matmul_raw;
 
 // y[i] = w[i] * (x[i] * rsqrt(mean(x^2) + eps)), one row of n, in the eager op's order. The
@@ -103,18 +102,16 @@ void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t
   }
 }
 
-void check_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k, const char* what,
-                  int64_t layer) {
-  const kvserve_quant::Format* f = find_format(qtype);
-  TORCH_CHECK(f != nullptr, "decode_layers: layer ", layer, " ", what,
-              ": unsupported GGML type ", qtype);
-  TORCH_CHECK(k % f->block_elems == 0, "decode_layers: layer ", layer, " ", what, ": ", k,
-              " inputs is not a multiple of the block size ", f->block_elems);
-  const int64_t row_bytes = k / f->block_elems * f->block_bytes;
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 &&
-                  w.size(0) == n && w.size(1) == row_bytes && w.is_contiguous(),
-              "decode_layers: layer ", layer, " ", what, " must be contiguous uint8 (", n, ", ",
-              row_bytes, "), got ", w.scalar_type(), " ", w.sizes());
+// quant_matmul's weight check, with the layer named; the raw loops also need CPU, contiguous.
+void check_layer_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
+                        const char* what, int64_t layer) {
+  try {
+    kvserve_quant::check_weight(w, qtype, n, k);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "decode_layers: layer ", layer, " ", what, ": ", e.msg());
+  }
+  TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), "decode_layers: layer ", layer, " ",
+              what, " must be a contiguous CPU tensor");
 }
 
 at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -163,10 +160,10 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
       TORCH_CHECK(norms[2 * l + j].scalar_type() == at::kFloat &&
                       norms[2 * l + j].numel() == hidden && norms[2 * l + j].is_contiguous(),
                   "decode_layers: layer ", l, " norm ", j, " must be (", hidden, ",) float32");
-    check_weight(qweights[4 * l], qtypes[4 * l], qkv_n, hidden, "qkv_proj", l);
-    check_weight(qweights[4 * l + 1], qtypes[4 * l + 1], hidden, H * D, "o_proj", l);
-    check_weight(qweights[4 * l + 2], qtypes[4 * l + 2], 2 * I, hidden, "gate_up_proj", l);
-    check_weight(qweights[4 * l + 3], qtypes[4 * l + 3], hidden, I, "down_proj", l);
+    check_layer_weight(qweights[4 * l], qtypes[4 * l], qkv_n, hidden, "qkv_proj", l);
+    check_layer_weight(qweights[4 * l + 1], qtypes[4 * l + 1], hidden, H * D, "o_proj", l);
+    check_layer_weight(qweights[4 * l + 2], qtypes[4 * l + 2], 2 * I, hidden, "gate_up_proj", l);
+    check_layer_weight(qweights[4 * l + 3], qtypes[4 * l + 3], hidden, I, "down_proj", l);
   }
   for (int64_t j = 0; j < 4 * L; ++j)
     TORCH_CHECK(!bf16[j] || kvserve_quant::has_avx512_bf16(), "decode_layers: weight ", j,

@@ -26,6 +26,7 @@
 #include <cstring>
 
 #include "quant_kernels.h"
+#include "quant_panel.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -102,13 +103,9 @@ KV_BF16 void tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_
 // ---- many rows: outer-product GEMM over bf16 weight panels (as quant_gemm.cpp for float32)
 // panel (kc / 2, 64, 2): k pairs interleaved per output column, so one zmm holds 16 columns x
 // 2 k values, the layout VDPBF16PS multiplies against a broadcast pair of activations.
-constexpr int kPanel = 64;
-constexpr int kMB = 6;
-constexpr int64_t kKc = 256;
-
 template <int MB>
 KV_BF16 void gemm_tile_bf16(const uint16_t* panel, const uint16_t* x, int64_t ldx, int64_t kc,
-                            float* out, int64_t ldo, __mmask16 const* masks, bool accumulate) {
+                            float* out, int64_t ldo, const uint16_t* masks, bool accumulate) {
   __m512 acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -138,7 +135,7 @@ KV_BF16 void gemm_tile_bf16(const uint16_t* panel, const uint16_t* x, int64_t ld
 }
 
 using GemmTileBf16 = void (*)(const uint16_t*, const uint16_t*, int64_t, int64_t, float*,
-                              int64_t, __mmask16 const*, bool);
+                              int64_t, const uint16_t*, bool);
 constexpr GemmTileBf16 kGemmTiles[kMB + 1] = {nullptr,           gemm_tile_bf16<1>,
                                               gemm_tile_bf16<2>, gemm_tile_bf16<3>,
                                               gemm_tile_bf16<4>, gemm_tile_bf16<5>,
@@ -156,32 +153,12 @@ void build_panel(const float* src, int64_t kc, int rows, uint16_t* dst) {
 
 void gemm_bf16(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, const Format& f,
                const IsaKernels& ik, int64_t N, float* op) {
-  const int64_t row_bytes = K / f.block_elems * f.block_bytes;
-  const int64_t npanels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float rows_buf[kPanel * kKc];     // (64, kc) dequantized
-    alignas(64) uint16_t panel[kKc * kPanel];     // (kc / 2, 64, 2) bf16
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel;
-      const int nr = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
-      __mmask16 masks[4];
-      for (int j = 0; j < 4; ++j) {
-        const int left = std::clamp(nr - 16 * j, 0, 16);
-        masks[j] = left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      }
-      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-        const int64_t kc = std::min(kKc, K - k0);
-        for (int r = 0; r < nr; ++r)
-          ik.dequant[f.index](wp + (n0 + r) * row_bytes + k0 / f.block_elems * f.block_bytes,
-                              kc / f.block_elems, rows_buf + r * kc);
-        build_panel(rows_buf, kc, nr, panel);
-        for (int64_t m0 = 0; m0 < M; m0 += kMB) {
-          const int mb = static_cast<int>(std::min<int64_t>(kMB, M - m0));
-          kGemmTiles[mb](panel, xp + m0 * K + k0, K, kc, op + m0 * N + n0, N, masks, k0 > 0);
-        }
-      }
-    }
-  });
+  panel_gemm<uint16_t>(xp, M, K, wp, f, ik, N, op, build_panel,
+                       [](int mb, const uint16_t* panel, const uint16_t* x, int64_t ldx,
+                          int64_t kc, float* out, int64_t ldo, const uint16_t* masks,
+                          bool accumulate) {
+                         kGemmTiles[mb](panel, x, ldx, kc, out, ldo, masks, accumulate);
+                       });
 }
 
 using TileBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*,
@@ -254,15 +231,7 @@ at::Tensor quant_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight,
               "kvserve: x must be a contiguous 2-D bfloat16 tensor, got ", x.scalar_type(), " ",
               x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const Format* f = find_format(qtype);
-  TORCH_CHECK(f != nullptr, "kvserve: unsupported GGML quantization type ", qtype);
-  TORCH_CHECK(K % f->block_elems == 0, "kvserve: in_features ", K,
-              " is not a multiple of the block size ", f->block_elems);
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2 && qweight.size(0) == N &&
-                  qweight.size(1) == K / f->block_elems * f->block_bytes,
-              "kvserve: qweight of type ", qtype, " for (", N, ", ", K, ") must be uint8 (", N,
-              ", ", K / f->block_elems * f->block_bytes, "), got ", qweight.scalar_type(), " ",
-              qweight.sizes());
+  check_weight(qweight, qtype, N, K);
   const at::Tensor w = qweight.contiguous();
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;

@@ -13,12 +13,10 @@
 // Each output is still sum_k x[m, k] w[n, k] in float32 (sequential in k within a panel
 // chunk, chunks added in order): it differs from dequantize-then-matmul only in summation
 // order, as the other tiles do.
-#include <ATen/Parallel.h>
-
-#include <algorithm>
 #include <cstring>
 
 #include "quant_kernels.h"
+#include "quant_panel.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -31,15 +29,11 @@ namespace {
 #if defined(__x86_64__)
 #define KV_GEMM __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
-constexpr int kPanel = 64;     // weight rows per panel = 4 zmm of outputs
-constexpr int kMB = 6;         // activation rows per register tile
-constexpr int64_t kKc = 256;   // values per panel chunk: (256, 64) floats = 64 KiB, in L2
-
 // out[m, n0 + j] (= or +=) sum_{k < kc} x[m, k] * wT[k, j] for m < MB, j < 64 (masked to
 // nvalid columns on store).
 template <int MB>
 KV_GEMM void gemm_tile(const float* wT, const float* x, int64_t ldx, int64_t kc, float* out,
-                       int64_t ldo, __mmask16 const* masks, bool accumulate) {
+                       int64_t ldo, const uint16_t* masks, bool accumulate) {
   __m512 acc[MB][4];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < 4; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -65,7 +59,7 @@ KV_GEMM void gemm_tile(const float* wT, const float* x, int64_t ldx, int64_t kc,
 }
 
 using GemmTile = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t,
-                          __mmask16 const*, bool);
+                          const uint16_t*, bool);
 constexpr GemmTile kGemmTiles[kMB + 1] = {nullptr,        gemm_tile<1>, gemm_tile<2>, gemm_tile<3>,
                                           gemm_tile<4>,   gemm_tile<5>, gemm_tile<6>};
 
@@ -83,34 +77,12 @@ bool quant_gemm_avx512(const float* xp, int64_t M, int64_t K, const uint8_t* wp,
                        int64_t N, float* op) {
 #if defined(__x86_64__)
   if (best_isa() < kAvx512) return false;
-  const Format& f = *find_format(qtype);
-  const IsaKernels& ik = isa_kernels(kAvx512);
-  const int64_t row_bytes = K / f.block_elems * f.block_bytes;
-  const int64_t npanels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, npanels, 1, [&](int64_t p0, int64_t p1) {
-    alignas(64) float rows_buf[kPanel * kKc];  // (64, kc) dequantized
-    alignas(64) float wT[kKc * kPanel];        // (kc, 64) transposed
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel;
-      const int nr = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
-      __mmask16 masks[4];
-      for (int j = 0; j < 4; ++j) {
-        const int left = std::clamp(nr - 16 * j, 0, 16);
-        masks[j] = left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      }
-      for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-        const int64_t kc = std::min(kKc, K - k0);
-        for (int r = 0; r < nr; ++r)
-          ik.dequant[f.index](wp + (n0 + r) * row_bytes + k0 / f.block_elems * f.block_bytes,
-                              kc / f.block_elems, rows_buf + r * kc);
-        transpose_panel(rows_buf, kc, nr, wT);
-        for (int64_t m0 = 0; m0 < M; m0 += kMB) {
-          const int mb = static_cast<int>(std::min<int64_t>(kMB, M - m0));
-          kGemmTiles[mb](wT, xp + m0 * K + k0, K, kc, op + m0 * N + n0, N, masks, k0 > 0);
-        }
-      }
-    }
-  });
+  panel_gemm<float>(
+      xp, M, K, wp, *find_format(qtype), isa_kernels(kAvx512), N, op, transpose_panel,
+      [](int mb, const float* panel, const float* x, int64_t ldx, int64_t kc, float* out,
+         int64_t ldo, const uint16_t* masks, bool accumulate) {
+        kGemmTiles[mb](panel, x, ldx, kc, out, ldo, masks, accumulate);
+      });
   return true;
 #else
   return false;

@@ -14,6 +14,8 @@
 // The unpacking is thus done once per weight row whatever the number of activation rows M.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 
 #include "cpu_isa.h"
@@ -94,6 +96,13 @@ const IsaKernels& isa_kernels(int64_t isa);  // isa must be supported (checked b
 // has validated qtype, shapes and isa (a supported one, not -1). Threads over weight tiles.
 void quant_matmul_raw(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype,
                       int64_t N, int64_t isa, float* out);
+
+// The format of qtype; raises naming the supported types when there is none.
+const Format& checked_format(int64_t qtype);
+
+// Raises unless qweight is the uint8 (n, k / block_elems * block_bytes) rows of an (n, k)
+// weight of type qtype (and k a multiple of its block size); returns the format.
+const Format& check_weight(const at::Tensor& qweight, int64_t qtype, int64_t n, int64_t k);
 
 // The many-rows path of quant_matmul_raw (quant_gemm.cpp): out = x @ dequantize(w).T through
 // transposed weight panels; false (nothing written) when the CPU lacks AVX-512.

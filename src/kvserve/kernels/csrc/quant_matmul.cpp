@@ -66,6 +66,27 @@ void quant_matmul_raw(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   });
 }
 
+const Format& checked_format(int64_t qtype) {
+  const Format* f = find_format(qtype);
+  TORCH_CHECK(f != nullptr, "kvserve: unsupported GGML quantization type ", qtype,
+              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q6_K=14)");
+  return *f;
+}
+
+const Format& check_weight(const at::Tensor& qweight, int64_t qtype, int64_t n, int64_t k) {
+  const Format& f = checked_format(qtype);
+  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2,
+              "kvserve: qweight must be a 2-D uint8 tensor, got ", qweight.scalar_type(), " ",
+              qweight.sizes());
+  TORCH_CHECK(k % f.block_elems == 0, "kvserve: in_features ", k,
+              " is not a multiple of the block size ", f.block_elems, " of type ", qtype);
+  const int64_t row_bytes = k / f.block_elems * f.block_bytes;
+  TORCH_CHECK(qweight.size(0) == n && qweight.size(1) == row_bytes,
+              "kvserve: qweight of type ", qtype, " for (", n, ", ", k, ") must be (", n, ", ",
+              row_bytes, "), got ", qweight.sizes());
+  return f;
+}
+
 namespace {
 
 const char* isa_name(int64_t isa) {
@@ -86,28 +107,6 @@ int64_t resolve_isa(int64_t isa) {
               ") is not supported by this CPU; the best it supports is ", best, " (",
               isa_name(best), ")");
   return isa;
-}
-
-const Format& checked_format(int64_t qtype) {
-  const Format* f = find_format(qtype);
-  TORCH_CHECK(f != nullptr, "kvserve: unsupported GGML quantization type ", qtype,
-              " (supported: Q4_0=2, Q4_1=3, Q5_0=6, Q5_1=7, Q8_0=8, Q4_K=12, Q6_K=14)");
-  return *f;
-}
-
-// Shape/dtype checks of the CPU kernels; returns the format.
-const Format& check_weight(const at::Tensor& qweight, int64_t qtype, int64_t n, int64_t k) {
-  const Format& f = checked_format(qtype);
-  TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.dim() == 2,
-              "kvserve: qweight must be a 2-D uint8 tensor, got ", qweight.scalar_type(), " ",
-              qweight.sizes());
-  TORCH_CHECK(k % f.block_elems == 0, "kvserve: in_features ", k,
-              " is not a multiple of the block size ", f.block_elems, " of type ", qtype);
-  const int64_t row_bytes = k / f.block_elems * f.block_bytes;
-  TORCH_CHECK(qweight.size(0) == n && qweight.size(1) == row_bytes,
-              "kvserve: qweight of type ", qtype, " for (", n, ", ", k, ") must be (", n, ", ",
-              row_bytes, "), got ", qweight.sizes());
-  return f;
 }
 
 // Decode values [k0, k0 + kc) of one weight row into float32 `out`.
