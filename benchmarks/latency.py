@@ -1,0 +1,69 @@
+"""Latency of one request by prompt length: TTFT (the prefill step) and TPOT (the decode steps
+after it), kvserve alone, medians over ``--runs`` requests with distinct prompts (prefix
+caching off). The decode steps at long prompts show what reading the context costs.
+
+    python -m benchmarks.latency [--dtype auto] [--prompt-lens 8,128,512,1024] \\
+        [--new-tokens 64] [--runs 5] [--threads 2]
+
+It uses only ``LLM`` and ``SamplingParams`` (engine ``add_request`` / ``step``), so the same
+script measures another checkout of kvserve: ``PYTHONPATH=OTHER/src python -m
+benchmarks.latency`` (how this project compares a change against the code before it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import kvserve
+from kvserve.engine.llm import LLM
+from kvserve.sampling import SamplingParams
+
+
+def one_request(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """(TTFT, decode step times) of one request run alone."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(prompt, params)
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    return steps[0], steps[1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--prompt-lens", default="8,128,512,1024")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
+    vocab = llm.engine.model_config.vocab_size
+    lens = [int(n) for n in args.prompt_lens.split(",")]
+    one_request(llm, [1000 + i for i in range(16)], 4)  # warm-up
+    print(
+        f"latency: kvserve from {kvserve.__file__.rsplit('/kvserve/', 1)[0]} dtype={args.dtype} "
+        f"threads={args.threads} new={args.new_tokens} runs={args.runs} torch={torch.__version__}"
+    )
+    print(f"{'prompt':>7} {'TTFT ms':>9} {'TPOT ms':>9}")
+    for n in lens:
+        ttfts, tpots = [], []
+        for run in range(args.runs):
+            prompt = [(1000 + 7919 * run + i) % vocab for i in range(n)]  # distinct per run
+            ttft, steps = one_request(llm, prompt, args.new_tokens)
+            ttfts.append(ttft)
+            tpots.append(statistics.median(steps) if steps else float("nan"))
+        print(f"{n:>7} {statistics.median(ttfts) * 1e3:9.1f} {statistics.median(tpots) * 1e3:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
