@@ -4,6 +4,7 @@ on every ISA path the CPU has; when it runs and when it does not; the errors it 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from kvserve.engine.llm import LLM
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.loader import load_model
+from kvserve.models.quantized_linear import QuantizedLinear
 from kvserve.paged_attention import AttentionMetadata, PagedAttention
 from kvserve.sampling import SamplingParams
 from kvserve.session import ModelSession
@@ -34,7 +36,17 @@ def load(tmp_path: Path, dtype: str = "float32", quantization: str = "q8_0", **o
         max_position_embeddings=512,
         **overrides,
     )
-    return load_model(path, dtype, "cpu", quantization=quantization).model
+    return pin_kernel_rows(load_model(path, dtype, "cpu", quantization=quantization).model)
+
+
+def pin_kernel_rows(model, rows: int = 64):
+    """Every quantized layer on the float32 kernel up to ``rows`` rows, whatever the load-time
+    timing measured (on tiny weights a noisy timing can put the threshold below a test's
+    batch, and the step would then -- correctly -- not run fused)."""
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.policy = replace(m.policy, kernel_max_rows=rows, bf16_kernel_max_rows=0)
+    return model
 
 
 def metadata(tables: list[list[int]], starts: list[int], lens: list[int], slots: list[int]):
@@ -170,6 +182,7 @@ def test_engine_tokens_equal_with_the_kernels_turned_off(
     step's greedy tokens (float32)."""
     path, _ = make_hf_checkpoint(tmp_path, "llama", num_key_value_heads=2)
     session = ModelSession.open(path, "float32", "cpu", quantization="q8_0")
+    pin_kernel_rows(session.model)
     prompts = [random_token_ids(n, seed=n) for n in (5, 9, 14)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     llm = LLM(session=session, num_kv_blocks=64, block_size=BLOCK, enforce_eager=True)
