@@ -130,3 +130,12 @@ def start_server(model_dir: Path, log_dir: Path, *args: str, api_key: str | None
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"the server did not become healthy:\n{server.log()}")
+
+
+def cached_prefix_tokens(a: list[int], b: list[int], block_size: int) -> int:
+    """Tokens of b that a prefix cache holding a can serve: the whole blocks of their common
+    prefix."""
+    common = next(
+        (i for i, (s, t) in enumerate(zip(a, b, strict=False)) if s != t), min(len(a), len(b))
+    )
+    return (common // block_size) * block_size

@@ -217,15 +217,16 @@ def test_seeded_sampling_is_reproducible_in_a_batch(session: ModelSession) -> No
 def test_kv_sizes_are_single_sourced(session: ModelSession) -> None:
     llm = make_llm(session, kv_cache_memory="1MiB", num_kv_blocks=None)
     engine = llm.engine
-    spec = engine.spec
     cfg = session.config
-    assert (
-        spec.bytes_per_token
-        == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
-    )
-    assert engine.storage.num_blocks == (1 << 20) // spec.bytes_per_block
-    assert engine.storage.nbytes == engine.storage.num_blocks * spec.bytes_per_block
-    assert engine.stats().num_blocks == engine.storage.num_blocks
+    # the tiny checkpoint: 2 layers, 2 KV heads of 16 dims, float32 -> K and V of one token
+    # take 2 * 2 * 2 * 16 * 4 = 512 bytes, a block of 4 tokens 2 KiB: 1 MiB holds 512 blocks
+    assert (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim) == (2, 2, 16)
+    assert engine.spec.bytes_per_token == 512
+    assert engine.spec.bytes_per_block == 2048
+    assert engine.storage.num_blocks == 512
+    assert engine.storage.nbytes == 1 << 20  # the buffer really allocated
+    assert engine.stats().num_blocks == 512
+    assert engine.kv_manager.pool.num_blocks == 512
 
 
 def test_shared_prefix_admitted_together_is_computed_once(session: ModelSession) -> None:

@@ -45,7 +45,11 @@ def test_stop_is_normalised_to_tuples() -> None:
     ids=repr,
 )
 def test_accepts_the_bounds(kwargs: dict) -> None:
-    SamplingParams(**kwargs)
+    params = SamplingParams(**kwargs)
+    # each bound is kept as given (sequences as tuples), not clamped or replaced
+    for name, value in kwargs.items():
+        want = tuple(value) if isinstance(value, list) else value
+        assert getattr(params, name) == want, name
 
 
 BAD_PARAMS = [

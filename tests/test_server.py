@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_helpers import MAX_MODEL_LEN, ServerProcess
+from server_helpers import MAX_MODEL_LEN, ServerProcess, cached_prefix_tokens
+
+from kvserve.config import CacheConfig
 
 GREEDY = {"temperature": 0.0}
 
@@ -23,7 +25,9 @@ def test_models_lists_the_served_model(server: ServerProcess) -> None:
 
 
 def test_chat_non_streaming_and_usage(server: ServerProcess) -> None:
-    r = chat(server, "Hello there", max_tokens=8, **GREEDY, extra_body={"ignore_eos": True})
+    # a salt of its own: no other test's prompt can be in the cache for it
+    extra = {"ignore_eos": True, "cache_salt": "usage-test"}
+    r = chat(server, "Hello there", max_tokens=8, **GREEDY, extra_body=extra)
     assert r.object == "chat.completion" and r.model == "tiny-chat"
     (choice,) = r.choices
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -33,7 +37,14 @@ def test_chat_non_streaming_and_usage(server: ServerProcess) -> None:
     assert r.usage.prompt_tokens == n_prompt
     assert r.usage.completion_tokens == 8
     assert r.usage.total_tokens == n_prompt + 8
-    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # the same prompt again: every whole block of it is a hit, except that a prompt that is
+    # all whole blocks recomputes its last block (the last token's logits are needed)
+    again = chat(server, "Hello there", max_tokens=8, **GREEDY, extra_body=extra)
+    block = CacheConfig().block_size
+    want = (n_prompt // block) * block if n_prompt % block else n_prompt - block
+    assert again.usage.prompt_tokens_details.cached_tokens == want > 0
+    assert again.choices[0].message.content == choice.message.content
 
 
 def test_chat_streaming_matches_non_streaming(server: ServerProcess) -> None:
@@ -132,14 +143,22 @@ def test_shared_system_prompt_is_cached_per_salt(server: ServerProcess) -> None:
         )
         return r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
 
+    def ids(question: str) -> list[int]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return server.http().post("/tokenize", json={"messages": messages}).json()["tokens"]
+
+    def shared_blocks(a: str, b: str) -> int:
+        """Tokens of the whole blocks b's prompt shares with a's: what the cache can serve."""
+        return cached_prefix_tokens(ids(a), ids(b), CacheConfig().block_size)
+
     prompt, first = ask("What is one plus one?")
     assert first == 0 and prompt > 150
     _, second = ask("Name a colour.")
-    assert 150 <= second < prompt  # the shared system prompt, in whole blocks
+    assert second == shared_blocks("What is one plus one?", "Name a colour.") >= 150
     _, salted = ask("Name a colour.", salt="tenant-b")
     assert salted == 0  # another tenant sees none of it
     _, salted_again = ask("Name a fruit.", salt="tenant-b")
-    assert salted_again >= 150  # ... but shares within its own salt
+    assert salted_again == shared_blocks("Name a colour.", "Name a fruit.")  # its own salt
 
 
 def test_tokenize_detokenize_round_trip(server: ServerProcess) -> None:

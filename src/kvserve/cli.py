@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvserve.cli_args import (
     add_engine_args,
@@ -26,6 +27,7 @@ from kvserve.cli_args import (
 from kvserve.config import EngineConfig
 from kvserve.engine.request import RequestOutput
 from kvserve.server.config import ServerConfig
+from kvserve.server.tenants import parse_api_keys
 from kvserve.session import generate_once
 from kvserve.verify import verify
 
@@ -75,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=_SERVER.port)
     s.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint"
+    )
+    s.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="one 'KEY TENANT' per line: each key's tenant gets a prefix cache of its own",
     )
     s.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: file name)"
@@ -160,6 +168,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "num_cached_tokens": cached,
             "kv_projections": projections,
             "ttft_s": ttft,
+            "decode_s": total - ttft,
             "tokens_per_s": len(token_ids) / total if total > 0 else 0.0,
         }
         if logprobs is not None:
@@ -230,6 +239,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
+        api_keys=read_api_keys(args.api_keys),
         served_model_name=args.served_model_name,
         max_queued_requests=args.max_queued_requests,
         max_body_bytes=args.max_body_bytes,
@@ -237,6 +247,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     run_server(engine, server)
     return 0
+
+
+def read_api_keys(path: str | None) -> tuple[tuple[str, str], ...]:
+    """--api-keys FILE as (key, tenant) pairs; () when not given."""
+    if path is None:
+        return ()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--api-keys: cannot read {path}: {e.strerror}") from e
+    return tuple(parse_api_keys(text.splitlines(), f"--api-keys {path}").items())
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -71,8 +71,8 @@ def build_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     # added last = outermost: the key is checked before the body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
-    if state.config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
+    if keys := state.config.tenant_keys:
+        app.add_middleware(APIKeyMiddleware, keys=keys)
 
     def served() -> Served:
         if state.served is None:

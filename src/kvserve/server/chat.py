@@ -43,6 +43,7 @@ from kvserve.server.serving import (
     stream_events,
     usage,
 )
+from kvserve.server.tenants import salt_for, tenant_of
 
 
 def chat_prompt(
@@ -96,7 +97,9 @@ async def create_chat_completion(
     params = served.sampling_params(req, max_tokens, k)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = served.submit([PromptSpec(ids, params)], req.cache_salt, rid)
+    stream = served.submit(
+        [PromptSpec(ids, params)], salt_for(tenant_of(request), req.cache_salt), rid
+    )
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         body = _stream(served, req, stream, rid, created, len(ids), include_usage)

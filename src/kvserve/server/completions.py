@@ -33,6 +33,7 @@ from kvserve.server.serving import (
     stream_events,
     usage,
 )
+from kvserve.server.tenants import salt_for, tenant_of
 
 
 def _prompts(served: Served, req: CompletionRequest) -> list[list[int]]:
@@ -102,7 +103,7 @@ async def create_completion(
         specs.append(PromptSpec(ids, served.sampling_params(req, max_tokens, req.logprobs)))
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    stream = served.submit(specs, req.cache_salt, rid)
+    stream = served.submit(specs, salt_for(tenant_of(request), req.cache_salt), rid)
     n = req.n
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

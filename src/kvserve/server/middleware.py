@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: the API key check and the request body size limit.
+"""Pure ASGI middleware: the API key check (and the caller's tenant) and the request body size limit.
 
 Both answer before any route runs, in OpenAI's error shape. Being plain ASGI (not Starlette's
 BaseHTTPMiddleware) they do not buffer responses, so streams pass through untouched.
@@ -7,24 +7,34 @@ BaseHTTPMiddleware) they do not buffer responses, so streams pass through untouc
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.errors import APIError
+from kvserve.server.tenants import SCOPE_KEY
 
 
 class APIKeyMiddleware:
-    """Every path needs ``Authorization: Bearer KEY`` (compared in constant time)."""
+    """Every path needs ``Authorization: Bearer KEY`` with a known key; the key's tenant goes
+    into the scope (``tenants.SCOPE_KEY``). Every key is compared, in constant time, whatever
+    matched: the time taken does not tell which key came close."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
+        if not keys:
+            raise ValueError("APIKeyMiddleware needs at least one key")
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.keys = [(f"Bearer {key}".encode(), tenant) for key, tenant in keys.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(given, self.expected):
+        tenant = None
+        for expected, name in self.keys:
+            if hmac.compare_digest(given, expected):
+                tenant = name
+        if tenant is None:
             error = APIError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -32,6 +42,7 @@ class APIKeyMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             )
             return await error.response()(scope, receive, send)
+        scope[SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
 
 
