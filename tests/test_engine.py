@@ -4,10 +4,13 @@ counts; refusals; aborts; no leaks."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import make_hf_checkpoint, random_token_ids
 
+from kvserve.engine.limits import RequestRejected
 from kvserve.engine.llm import LLM
 from kvserve.engine.request import RequestStatus
 from kvserve.generation import generate
@@ -154,19 +157,27 @@ def test_preemption_recomputes_exactly(session: ModelSession) -> None:
 
 
 def test_refusals_leave_the_engine_serving(session: ModelSession) -> None:
-    llm = make_llm(session, num_kv_blocks=8, max_model_len=64)
+    llm = make_llm(session, num_kv_blocks=8, max_model_len=64)  # the pool: 32 tokens < 64
     engine = llm.engine
     ok = engine.add_request(random_token_ids(5, seed=1), greedy(6))
-    with pytest.raises(ValueError, match="max_model_len"):
-        engine.add_request(random_token_ids(60, seed=2), greedy(10))
-    with pytest.raises(ValueError, match="more than the pool holds"):
-        engine.add_request(random_token_ids(30, seed=3), greedy(10))  # 40 tokens > 8 blocks of 4
-    with pytest.raises(ValueError, match="empty"):
-        engine.add_request([], greedy(4))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request([1, 10_000], greedy(4))
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate([random_token_ids(70, seed=4)], greedy(1), use_tqdm=False)
+    cases = [
+        (random_token_ids(30, seed=3), greedy(10), "max_tokens", "at most 32 tokens per request"),
+        (random_token_ids(40, seed=2), greedy(1), "prompt", "the prompt is 40 tokens"),
+        ([], greedy(4), "prompt", "the prompt is empty"),
+        ([1, 10_000], greedy(4), "prompt", "token id 10000 is outside the vocabulary [0, 128)"),
+        ([1, 2], SamplingParams(stop_token_ids=[128]), "stop_token_ids", "token id 128"),
+    ]
+    for prompt, params, param, message in cases:
+        with pytest.raises(RequestRejected, match=re.escape(message)) as e:
+            engine.add_request(prompt, params)
+        assert e.value.param == param
+    with pytest.raises(RequestRejected, match=re.escape("lower max_tokens to at most 27")):
+        llm.generate([random_token_ids(5, seed=4)], greedy(28), use_tqdm=False)
+    # the model's context is the limit when the pool is larger
+    roomy = make_llm(session, max_model_len=64).engine
+    with pytest.raises(RequestRejected, match="maximum context length is 64 tokens, but 70"):
+        roomy.add_request(random_token_ids(60, seed=2), greedy(10))
+    assert not roomy.has_unfinished_requests()
     while engine.has_unfinished_requests():
         engine.step()
     assert ok.output_token_ids == reference_tokens(session, ok.prompt_token_ids, 6)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.compiled_steps import compile_model
 from kvserve.engine.fused_decode import FusedDecode
+from kvserve.engine.limits import RequestLimits
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import append_token, make_output
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
@@ -81,6 +82,13 @@ class LLMEngine:
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
+        self.limits = RequestLimits(
+            vocab_size=model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            block_size=cache_config.block_size,
+            has_tokenizer=tokenizer is not None,
+        )
         self.compile_result = compile_model(model, enforce_eager)
         self.fused_decode = FusedDecode.build(model, self.storage)
         self.runner = ModelRunner(model, self.storage, self.compile_result.steps, self.fused_decode)
@@ -129,10 +137,7 @@ class LLMEngine:
                 raise ValueError("this model has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        self.limits.check_token_ids(ids)
         return ids
 
     def add_request(
@@ -142,11 +147,11 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> Request:
-        """Queue a request; raises ValueError if it can never run (nothing is queued then)."""
+        """Queue a request; raises ValueError (``RequestRejected``, naming the field) if it can
+        never run (nothing is queued then)."""
         params = params or SamplingParams()
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer")
         ids = self.encode(prompt)
+        self.limits.check(ids, params)
         req = Request(
             request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
             prompt_token_ids=ids,

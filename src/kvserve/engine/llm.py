@@ -85,7 +85,7 @@ class LLM:
         engine = self.engine
         encoded = [engine.encode(p) for p in prompts]
         for ids, p in zip(encoded, params, strict=True):
-            engine.scheduler.check_fits(len(ids), p.max_tokens)
+            engine.limits.check(ids, p)
         order = []
         for ids, p in zip(encoded, params, strict=True):
             rid = engine.add_request(ids, p, cache_salt=cache_salt).request_id

@@ -58,28 +58,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- admission -------------------------------------------------------------------------
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError if a request of this size could never run."""
-        if num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len ({self.max_model_len})"
-            )
-        blocks = -(-total // self.kv.block_size)
-        if blocks > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks, more than the "
-                f"pool holds ({self.kv.pool.num_blocks} blocks of {self.kv.block_size}); raise "
-                "kv_cache_memory or lower max_tokens"
-            )
-
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.check_fits(req.num_prompt_tokens, req.sampling_params.max_tokens)
+        # that it fits was checked at the engine's boundary (RequestLimits.check)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 

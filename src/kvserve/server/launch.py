@@ -51,14 +51,8 @@ def load_served(
         engine, metrics, server_config.max_queued_requests, server_config.log_interval_s
     )
     loop.start()
-    pool_tokens = engine.kv_manager.pool.num_blocks * engine.kv_manager.block_size
     return Served(
-        engine=loop,
-        tokenizer=session.tokenizer,
-        model_name=model_name,
-        max_model_len=engine.max_model_len,
-        vocab_size=session.config.vocab_size,
-        max_tokens_in_pool=pool_tokens,
+        engine=loop, tokenizer=session.tokenizer, model_name=model_name, limits=engine.limits
     )
 
 

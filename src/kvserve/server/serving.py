@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvserve.engine.limits import RequestLimits, RequestRejected
 from kvserve.engine.request import RequestOutput
 from kvserve.sampling import RequestOutputKind, SamplingParams
 from kvserve.server.async_engine import (
@@ -49,9 +51,15 @@ class Served:
     engine: AsyncEngine
     tokenizer: Tokenizer | None
     model_name: str
-    max_model_len: int
-    vocab_size: int
-    max_tokens_in_pool: int  # the whole KV pool, in tokens: no request can outgrow it
+    limits: RequestLimits  # the engine's own check of a request (thread-safe: frozen data)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -68,11 +76,8 @@ class Served:
         return self.tokenizer
 
     def check_token_ids(self, ids: Sequence[int], param: str) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param
-            )
+        with rejected_as_400():
+            self.limits.check_token_ids(ids, param)
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -88,35 +93,11 @@ class Served:
         param: str,
         prompt_param: str,
     ) -> int:
-        """The request's max_tokens, refused with both numbers when it cannot fit; when not
-        given, ``default`` (None: all the room left, as vLLM's chat). ``param`` and
-        ``prompt_param`` name the fields the client sent, for the error."""
-        limit = min(self.max_model_len, self.max_tokens_in_pool)
-        what = (
-            f"this model's maximum context length is {limit} tokens"
-            if limit == self.max_model_len
-            else f"this server's KV cache holds at most {limit} tokens per request"
-        )
-        if prompt_len == 0:
-            raise bad_request("the prompt is empty", prompt_param, "empty_prompt")
-        if prompt_len >= limit:
-            raise bad_request(
-                f"the prompt is {prompt_len} tokens, but {what} (room is needed for at least "
-                "one generated token)",
-                prompt_param,
-                "context_length_exceeded",
+        """``RequestLimits.resolve_max_tokens`` as a 400 naming the field the client sent."""
+        with rejected_as_400():
+            return self.limits.resolve_max_tokens(
+                requested, prompt_len, default, param, prompt_param
             )
-        room = limit - prompt_len
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested > room:
-            raise bad_request(
-                f"{what}, but {prompt_len + requested} tokens were requested ({prompt_len} in the prompt, {requested} for the completion); "
-                f"lower {param} to at most {room}",
-                param,
-                "context_length_exceeded",
-            )
-        return requested
 
     def sampling_params(
         self, req: _SamplingRequest, max_tokens: int, logprobs: int | None
@@ -127,10 +108,7 @@ class Served:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
-        if stop and self.tokenizer is None:
-            raise bad_request("stop strings need a tokenizer; use stop_token_ids", "stop")
         stop_ids = list(req.stop_token_ids or [])
-        self.check_token_ids(stop_ids, "stop_token_ids")
         fields = {
             "max_tokens": max_tokens,
             "n": req.n,
@@ -144,11 +122,14 @@ class Served:
             if value is not None:
                 fields[name] = value
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 **fields, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs
             )
         except (ValueError, TypeError) as e:  # the protocol's ranges should have caught it
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
+        with rejected_as_400():
+            self.limits.check_params(params)
+        return params
 
     # -- running ---------------------------------------------------------------------------
     def submit(
@@ -160,6 +141,15 @@ class Served:
             raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from e
+
+
+@contextmanager
+def rejected_as_400() -> Iterator[None]:
+    """The engine's ``RequestRejected`` as a 400 naming its field and code."""
+    try:
+        yield
+    except RequestRejected as e:
+        raise bad_request(str(e), e.param, e.code) from e
 
 
 async def _wait_for_disconnect(request: HTTPRequest) -> None:
