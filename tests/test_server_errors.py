@@ -59,7 +59,11 @@ def completion(**fields) -> dict:
         ({"prompt": [1, -3]}, "prompt"),
         ({"prompt": [60000]}, "prompt"),
         ({"prompt": None}, "prompt"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"echo": True}, "echo"),
     ],
 )
