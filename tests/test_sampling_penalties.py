@@ -1,12 +1,15 @@
 """Presence, frequency and repetition penalties: hand-computed logits, HF's repetition
-processor, rows independent of their batch, the neutral path untouched bit for bit, and the
-engine's greedy tokens against a hand-penalised loop over transformers' logits."""
+processor, rows independent of their batch, the neutral path untouched bit for bit; the
+engine's and the CLI's greedy tokens against a hand-penalised loop over transformers' logits;
+a real `kvserve serve` giving the `LLM` API's tokens for the same penalties."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from conftest import hf_logits, make_hf_checkpoint
+from conftest import hf_logits, make_hf_checkpoint, run_cli
 from test_sampling_batch import MIXED, mixed_logits
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -178,8 +181,13 @@ def test_sampling_params_take_the_edges_of_the_ranges() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path, model = make_hf_checkpoint(tmp_path_factory.mktemp("pen"), "llama")
+def tiny_checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("pen"), "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    path, model = tiny_checkpoint
     llm = LLM(session=ModelSession.open(path, "float32", "cpu"), num_kv_blocks=64, block_size=4)
     return llm, model
 
@@ -227,3 +235,88 @@ def test_engine_penalties_alone_equal_batched_with_n(tiny) -> None:
             max_tokens=10, temperature=0.8, seed=3 + i, ignore_eos=True, repetition_penalty=1.8
         )
         assert llm.generate(PROMPT, alone, use_tqdm=False)[0].token_ids == both[i].token_ids
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+def test_server_penalties_give_the_llm_apis_tokens(server, chat_checkpoint) -> None:
+    """presence / frequency as the openai client's top-level fields, repetition_penalty as
+    vLLM's extra body field: greedy, the same text as ``LLM`` with the same SamplingParams."""
+    client = server.client()
+    prompt = [1, 500, 600, 700, 800, 900]
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5}
+    got = client.completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0.0,
+        **penalties,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3},
+    )
+    got_plain = client.completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=24,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    llm = LLM(model=str(chat_checkpoint), num_kv_blocks=64)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(
+        max_tokens=24,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        **penalties,
+    )
+    want, want_plain = llm.generate([prompt, prompt], [penalised, greedy], use_tqdm=False)
+    assert want.token_ids != want_plain.token_ids  # the penalties change this output
+    assert got.choices[0].text == want.text
+    assert got_plain.choices[0].text == want_plain.text
+    assert got.usage.completion_tokens == 24
+    # chat takes them too
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "Say something"}],
+        max_tokens=6,
+        temperature=0.0,
+        **penalties,
+        extra_body={"ignore_eos": True, "repetition_penalty": 0.9},
+    )
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage.completion_tokens == 6
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("no_cache", [False, True], ids=["engine", "reference"])
+def test_cli_generate_penalty_flags(capsys, tiny_checkpoint, no_cache: bool) -> None:
+    """``generate --frequency-penalty`` on the engine and on the reference decoder
+    (``--no-cache``): the hand-penalised greedy tokens."""
+    path, model = tiny_checkpoint
+    argv = ["generate", "--json", "--model", str(path), "--dtype", "float32"]
+    argv += ["--prompt-ids", ",".join(map(str, PROMPT)), "--num-kv-blocks", "32"]
+    argv += ["--temperature", "0", "--max-tokens", "16", "--ignore-eos"]
+    argv += ["--frequency-penalty", "2.0", *(["--no-cache"] if no_cache else [])]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["token_ids"] == hand_penalised_greedy(
+        model, PROMPT, 16, 2.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--presence-penalty", "2.5", "presence_penalty must be in [-2.0, 2.0], got 2.5"),
+        ("--frequency-penalty", "-3", "frequency_penalty must be in [-2.0, 2.0], got -3.0"),
+        ("--repetition-penalty", "0", "repetition_penalty must be in (0.0, inf), got 0.0"),
+    ],
+)
+def test_cli_bad_penalties_exit_2(capsys, flag: str, value: str, named: str) -> None:
+    code, out, err = run_cli(capsys, "generate", "--json", "--prompt-ids", "1,2", flag, value)
+    assert code == 2
+    assert err.startswith("error: ") and named in err
+    assert out == ""

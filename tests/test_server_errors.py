@@ -82,6 +82,8 @@ def test_completion_parameter_errors_are_400(server, fields: dict, param: str) -
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ],
 )
 def test_chat_parameter_errors_are_400(server, fields: dict, param: str | None) -> None:
