@@ -14,7 +14,8 @@ bit for bit as they are and cost nothing; every operation is row-wise, so a row'
 never depends on the others in the batch.
 
 The counts are rebuilt from the history at every step: O(tokens of the penalised rows) per
-step, a few scatter ops, no per-token Python beyond building one id tensor.
+step, a gather and a scatter over those tokens, no per-token Python beyond building one id
+tensor.
 """
 
 from __future__ import annotations
@@ -50,46 +51,18 @@ class History(NamedTuple):
         return cls([*prompt_token_ids, *output_token_ids], len(prompt_token_ids))
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]  # (R, 1)
-
-
-def _penalised(
-    x: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
-) -> torch.Tensor:
-    """The penalties on R rows of float32 logits (R, V); returns a new tensor."""
-    num_rows, vocab = x.shape
-    device = x.device
-    seqs = [h.all_token_ids for h in histories]
-    starts = [h.num_prompt_tokens for h in histories]
-    # one flat id tensor for all rows: row r's ids are seqs[r], its outputs from starts[r] on
+def _occurrences(
+    rows: list[int], seqs: list[Sequence[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the tokens of ``seqs[j]`` (row ``rows[j]``) sit in the flattened logits (B * V),
+    each position once, and how often it occurs: (U,) long, (U,) float32."""
     lengths = torch.tensor([len(s) for s in seqs], device=device)  # (R,)
     ids = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long, device=device)
     assert ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < vocab)
-    row_of = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)  # (N,)
-    # position of each id within its own row, to tell prompt ids from output ids
-    offsets = torch.cumsum(lengths, 0) - lengths  # (R,)
-    pos = torch.arange(ids.numel(), device=device) - offsets[row_of]  # (N,)
-    is_output = pos >= torch.tensor(starts, device=device)[row_of]  # (N,)
-
-    flat = row_of * vocab + ids  # (N,) index into the (R * V) flattening
-    reps = [p.repetition_penalty for p in params]
-    if any(r != 1.0 for r in reps):
-        seen = torch.zeros(num_rows * vocab, dtype=torch.bool, device=device)
-        seen[flat] = True
-        rep = _column(reps, device)  # (R, 1); 1 leaves the row unchanged (x / 1 == x * 1 == x)
-        scaled = torch.where(x > 0, x / rep, x * rep)  # (R, V)
-        x = torch.where(seen.view(num_rows, vocab), scaled, x)
-    freqs = [p.frequency_penalty for p in params]
-    pres = [p.presence_penalty for p in params]
-    if any(f != 0.0 for f in freqs) or any(p != 0.0 for p in pres):
-        out = flat[is_output]
-        counts = torch.zeros(num_rows * vocab, dtype=torch.float32, device=device)
-        counts.index_add_(0, out, torch.ones(out.numel(), device=device))
-        counts = counts.view(num_rows, vocab)  # (R, V): output occurrences of each token
-        # 0 * count and 0 * mask subtract exactly 0: neutral rows keep their bits
-        x = x - _column(freqs, device) * counts - _column(pres, device) * (counts > 0)
-    return x
+    row_of = torch.tensor(rows, device=device).repeat_interleave(lengths)  # (N,)
+    # row i's token t is at i * V + t
+    positions, counts = torch.unique(row_of * vocab + ids, return_counts=True)  # (U,), (U,)
+    return positions, counts.float()
 
 
 def apply_penalties(
@@ -99,15 +72,42 @@ def apply_penalties(
 ) -> torch.Tensor:
     """Logits (B, V) with each row's penalties applied: the same tensor when no row has any
     (or ``histories`` is None); else a new float32 tensor whose unpenalised rows are the
-    input's, converted to float32 (exact)."""
+    input's, converted to float32 (exact).
+
+    Only the logits of tokens in a history are read and written (gather, compute, scatter,
+    as HF's processor): O(tokens of the penalised rows), plus one copy of the logits.
+    """
     if histories is None:
         return logits
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
         return logits
     assert len(histories) == len(params) == logits.shape[0]
-    if len(rows) == len(params):
-        return _penalised(logits.float(), params, histories)
-    idx = torch.tensor(rows, device=logits.device)
-    sub = _penalised(logits[idx].float(), [params[i] for i in rows], [histories[i] for i in rows])
-    return logits.to(torch.float32, copy=True).index_copy_(0, idx, sub)
+    vocab, device = logits.shape[-1], logits.device
+    out = logits.to(torch.float32, copy=True)  # (B, V)
+    flat = out.view(-1)  # (B * V,)
+
+    def per_position(values: list[float], positions: torch.Tensor) -> torch.Tensor:
+        # each row's value, (B,), looked up for the positions' rows, (U,)
+        return torch.tensor(values, dtype=torch.float32, device=device)[positions // vocab]
+
+    rep_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if rep_rows:
+        # every token seen, prompt and output
+        pos, _ = _occurrences(
+            rep_rows, [histories[i].all_token_ids for i in rep_rows], vocab, device
+        )
+        rep = per_position([p.repetition_penalty for p in params], pos)  # (U,)
+        x = flat[pos]
+        flat[pos] = torch.where(x > 0, x / rep, x * rep)
+    add_rows = [
+        i for i in rows if params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0
+    ]
+    if add_rows:
+        # output tokens only
+        outputs = [histories[i].all_token_ids[histories[i].num_prompt_tokens :] for i in add_rows]
+        pos, counts = _occurrences(add_rows, outputs, vocab, device)
+        freq = per_position([p.frequency_penalty for p in params], pos)  # (U,)
+        pres = per_position([p.presence_penalty for p in params], pos)  # (U,)
+        flat[pos] = flat[pos] - freq * counts - pres
+    return out
