@@ -59,7 +59,11 @@ def completion(**fields) -> dict:
         ({"prompt": [1, -3]}, "prompt"),
         ({"prompt": [60000]}, "prompt"),
         ({"prompt": None}, "prompt"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": "0.5"}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
         ({"echo": True}, "echo"),
     ],
 )
@@ -78,6 +82,8 @@ def test_completion_parameter_errors_are_400(server, fields: dict, param: str) -
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ],
 )
 def test_chat_parameter_errors_are_400(server, fields: dict, param: str | None) -> None:

@@ -85,6 +85,25 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=_SP.top_k, help="0 = off")
     p.add_argument("--min-p", type=float, default=_SP.min_p)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=_SP.presence_penalty,
+        help="[-2, 2]: subtracted from the logit of every token already generated",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=_SP.frequency_penalty,
+        help="[-2, 2]: subtracted once per time a token was already generated",
+    )
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=_SP.repetition_penalty,
+        help="> 0, 1 = off: divides the positive logits of tokens seen in prompt or output "
+        "(multiplies the negative ones)",
+    )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
 
@@ -97,6 +116,9 @@ def sampling_params(args: argparse.Namespace, logprobs: int | None = None) -> Sa
         top_k=args.top_k,
         min_p=args.min_p,
         seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         logprobs=logprobs,

@@ -98,7 +98,7 @@ def generate(
         if keep_logits:
             kept.append(logits.detach().clone())
         # the engine's sampler with a batch of one: the same tokens and logprobs
-        sampled = sample_step([logits], [params], [req.generator])
+        sampled = sample_step([logits], [params], [req.generator], [req])
         token = sampled.token_ids[0]
         if first_token_at is None:
             first_token_at = time.perf_counter()

@@ -1,11 +1,13 @@
-"""SamplingParams (validated) and the batched sampler: greedy, temperature, top-k, top-p,
-min-p, seed; the top logprobs of the model's own distribution.
+"""SamplingParams (validated) and the batched sampler: penalties, greedy, temperature, top-k,
+top-p, min-p, seed; the top logprobs of the model's own distribution.
 
 One step samples every request in one call, ``sample_batch(logits (B, V), params,
-generators)``: greedy rows are an argmax (no softmax); the other rows go through one
-vectorized pipeline with per-row parameters as tensors and one softmax. Filters apply in
-vLLM's order: temperature, then top-k, then top-p, then min-p. Greedy (temperature below
-1e-5, as vLLM) ignores the filters. The single-sequence loop calls the same code with B = 1.
+generators, histories)``: the rows with presence / frequency / repetition penalties have them
+applied first (``penalties.py``, over each row's token history; greedy rows too); then greedy
+rows are an argmax (no softmax); the other rows go through one vectorized pipeline with
+per-row parameters as tensors and one softmax. Filters apply in vLLM's order: temperature,
+then top-k, then top-p, then min-p. Greedy (temperature below 1e-5, as vLLM) ignores the
+filters. Logprobs are the raw model's (before penalties and filters), as vLLM's default. The single-sequence loop calls the same code with B = 1.
 
 A draw is an exponential race, as vLLM's: token = argmax(probs / q), q ~ Exp(1) i.i.d. per
 token, which picks token i with probability probs[i]. A seeded request draws its q row from
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+
+from kvserve.penalties import TokenHistory, apply_penalties
 
 MAX_N = 64  # samples per prompt
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
@@ -54,6 +58,11 @@ class SamplingParams:
     logprobs: int | None = None  # return the top-K logprobs of every generated token
     n: int = 1  # samples of one prompt; they share the prompt's KV blocks (copy-on-write)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # OpenAI's, over output tokens: logit -= presence * (count > 0) + frequency * count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF's / vLLM's, over prompt + output tokens: logit / p if positive, else logit * p
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +89,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, 20)
         _check_int("n", self.n, 1, MAX_N)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
@@ -87,6 +99,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         # as vLLM: below 1e-5, logits / temperature overflows to inf and softmax to nan
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 def _check_int(name: str, value: object, low: int, high: int | None) -> None:
@@ -207,10 +227,13 @@ def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[TokenHistory] | None = None,
 ) -> torch.Tensor:
     """Next token ids (B,) long from next-token logits (B, V) float32, one row per request
-    with its params and generator (None: the global RNG)."""
+    with its params, generator (None: the global RNG) and token history (prompt + output so
+    far, read only by rows with penalties; None: no row has any)."""
     assert logits.dim() == 2 and len(params) == len(generators) == logits.shape[0]
+    logits = apply_penalties(logits, params, histories)  # the same tensor without penalties
     tokens = logits.argmax(dim=-1)  # (B,): the greedy rows' answer, the others' overwritten
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -270,12 +293,14 @@ def sample_step(
     rows: Sequence[torch.Tensor],
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[TokenHistory] | None = None,
 ) -> SampledTokens:
     """One step of B requests: their next-token logits (vocab,) each, stacked once into
     (B, vocab), sampled in one call, with the logprobs of those that ask in another. The
-    engine calls it with its batch, the single-sequence loop with B = 1."""
+    engine calls it with its batch (its requests are the histories), the single-sequence
+    loop with B = 1."""
     logits = torch.stack(list(rows)) if len(rows) > 1 else rows[0][None]  # (B, vocab)
-    tokens = sample_batch(logits, params, generators)
+    tokens = sample_batch(logits, params, generators, histories)
     logprobs = batch_logprobs(logits, [p.logprobs for p in params], tokens)
     return SampledTokens(tokens.tolist(), logprobs)
 
@@ -284,10 +309,14 @@ def sample_step(
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    history: TokenHistory | None = None,
 ) -> int:
     """Next token id from next-token logits (vocab,)."""
-    return int(sample_batch(logits[None], [params], [generator])[0])
+    histories = None if history is None else [history]
+    return int(sample_batch(logits[None], [params], [generator], histories)[0])
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

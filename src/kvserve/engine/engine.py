@@ -229,7 +229,10 @@ class LLMEngine:
         reqs = [requests[rid] for rid in logits]
         # every request of the step in one sampler call (and one for the logprobs)
         sampled = sample_step(
-            list(logits.values()), [r.sampling_params for r in reqs], [r.generator for r in reqs]
+            list(logits.values()),
+            [r.sampling_params for r in reqs],
+            [r.generator for r in reqs],
+            reqs,  # the token histories, read only by rows with penalties
         )
         outputs = []
         for req, token, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):

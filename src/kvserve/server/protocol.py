@@ -63,9 +63,10 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
     user: str | None = None
-    # accepted for compatibility; anything but the neutral value is refused (400)
-    presence_penalty: float | None = Field(None, allow_inf_nan=False)
-    frequency_penalty: float | None = Field(None, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
+    # a vLLM extra field (the openai client's extra_body): 1 is off
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -102,9 +102,6 @@ class Served:
     def sampling_params(
         self, req: _SamplingRequest, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported by kvserve; send 0 or omit it", name)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
@@ -117,7 +114,10 @@ class Served:
             # carries the whole text and logprobs. Every step's output feeds the latency metrics
             "output_kind": RequestOutputKind.DELTA,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+        for name in (
+            *("temperature", "top_p", "top_k", "min_p", "seed"),
+            *("presence_penalty", "frequency_penalty", "repetition_penalty"),
+        ):
             value = getattr(req, name)
             if value is not None:
                 fields[name] = value
