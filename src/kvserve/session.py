@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvserve.engine.limits import RequestLimits
 from kvserve.generation import GenerationResult, generate
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
@@ -71,20 +72,12 @@ class ModelSession:
             return tok.apply_chat_template([{"role": "user", "content": text}])
         return tok.encode(text)
 
-    def check_prompt(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})"
-            )
-        limit = self.config.max_model_len
-        if len(prompt_ids) + max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"model's context of {limit} tokens"
-            )
+    def check_prompt(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """The engine's check (``RequestLimits``) for the reference decoders' dense cache."""
+        limits = RequestLimits.dense(
+            self.config.vocab_size, self.config.max_model_len, self.tokenizer is not None
+        )
+        limits.check(prompt_ids, params)
 
 
 def generate_once(
@@ -95,7 +88,7 @@ def generate_once(
     on_text: Callable[[str], None] | None = None,
     keep_logits: bool = False,
 ) -> GenerationResult:
-    session.check_prompt(prompt_ids, params.max_tokens)
+    session.check_prompt(prompt_ids, params)
     max_len = len(prompt_ids) + params.max_tokens
     decoder = (
         NoCacheDecoder(session.model) if no_cache else DenseCacheDecoder(session.model, max_len)

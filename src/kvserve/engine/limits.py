@@ -34,6 +34,11 @@ class RequestLimits:
     block_size: int
     has_tokenizer: bool
 
+    @classmethod
+    def dense(cls, vocab_size: int, max_model_len: int, has_tokenizer: bool) -> RequestLimits:
+        """The limits of a dense (reference) cache: it holds the whole context, no pool."""
+        return cls(vocab_size, max_model_len, max_model_len, 1, has_tokenizer)
+
     @property
     def max_tokens_in_pool(self) -> int:
         return self.num_blocks * self.block_size
