@@ -9,9 +9,12 @@ with nothing queued; the engine's own checks stay as a last line of defence.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -29,6 +32,7 @@ from kvserve.server.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import PromptTokensDetails, Usage, _SamplingRequest
 from kvserve.tokenizer import Tokenizer
@@ -36,6 +40,9 @@ from kvserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
@@ -52,6 +59,22 @@ class Served:
     max_model_len: int
     vocab_size: int
     max_tokens_in_pool: int  # the whole KV pool, in tokens: no request can outgrow it
+    limits: ServerConfig = field(default_factory=ServerConfig)  # the per-request bounds
+    # where tokenizing, templating and validating run, off the event loop (None: asyncio's
+    # default executor)
+    executor: Executor | None = None
+
+    async def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in the preprocessing pool, so the event loop (/health, every other
+        client's stream) keeps running meanwhile. Tokenizers release the GIL while they
+        work; pure-Python validation yields it every few milliseconds."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -80,6 +103,44 @@ class Served:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- limits and parameters -----------------------------------------------------------
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """Before any tokenizing: the request's prompts, counted with their n samples."""
+        limit = self.limits.max_prompts_per_request
+        if num_prompts * n > limit:
+            what = f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n={n}"
+            raise bad_request(
+                f"this request has {what} = {num_prompts * n} sequences; the limit is {limit} "
+                "per request (--max-prompts-per-request)",
+                "prompt" if n == 1 else "n",
+                "too_many_prompts",
+            )
+
+    def check_prompt_tokens(self, total: int) -> None:
+        limit = self.limits.max_prompt_tokens_per_request
+        if total > limit:
+            raise bad_request(
+                f"this request's prompts are {total} tokens together; the limit is {limit} "
+                "per request (--max-prompt-tokens-per-request)",
+                "prompt",
+                "too_many_prompt_tokens",
+            )
+
+    def check_stops(self, stop: Sequence[str]) -> None:
+        """Stop strings are scanned at every token of every sample: bound that work."""
+        count, chars = len(stop), sum(len(s) for s in stop)
+        if count > self.limits.max_stop_strings:
+            raise bad_request(
+                f"{count} stop strings were sent; the limit is {self.limits.max_stop_strings} "
+                "(--max-stop-strings)",
+                "stop",
+            )
+        if chars > self.limits.max_stop_chars:
+            raise bad_request(
+                f"the stop strings are {chars} characters together; the limit is "
+                f"{self.limits.max_stop_chars} (--max-stop-chars)",
+                "stop",
+            )
+
     def resolve_max_tokens(
         self,
         requested: int | None,
@@ -127,6 +188,7 @@ class Served:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
+        self.check_stops(stop)
         if stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer; use stop_token_ids", "stop")
         stop_ids = list(req.stop_token_ids or [])
@@ -160,6 +222,8 @@ class Served:
             raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from e
+        except ValueError as e:  # more sequences than the waiting bound: it never fits
+            raise bad_request(str(e), "prompt", "too_many_prompts") from e
 
 
 async def _wait_for_disconnect(request: HTTPRequest) -> None:
