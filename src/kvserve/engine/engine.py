@@ -194,13 +194,14 @@ class LLMEngine:
         """Abort these requests in any state, and every sample forked from them (also once
         sample 0 has finished); returns how many were aborted. O(ids + their samples +
         waiting), whatever else the engine holds: a 16k-prompt batch aborts in one pass."""
-        targets: dict[int, Request] = {}
+        requests, children = self.scheduler.requests, self.scheduler.children
+        targets: dict[str, Request] = {}  # by id: a sample named twice is aborted once
         for rid in request_ids:
-            req = self.scheduler.requests.get(rid)
+            req = requests.get(rid)
             if req is not None:
-                targets[id(req)] = req
-            for child in self.scheduler.children.get(rid, ()):
-                targets[id(child)] = child
+                targets[rid] = req
+            for child in children.get(rid, ()):
+                targets[child.request_id] = child
         self.scheduler.finish_many(list(targets.values()), RequestStatus.FINISHED_ABORTED)
         return len(targets)
 

@@ -56,7 +56,11 @@ class _EngineStatsCollector(Collector):
             return c
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Sequences waiting to run (queued or preempted).", s.num_waiting)
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Sequences waiting to run (queued or preempted).",
+            s.num_waiting,
+        )
         yield gauge(
             "vllm:kv_cache_usage_perc", "KV cache usage: 1 means every block is in use.",
             s.kv_cache_usage,
