@@ -35,7 +35,10 @@ SMALL_BOUND_S = 20.0  # a 2-token completion, while the hostile request is in fl
 @pytest.fixture(scope="module")
 def server(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     args = [x for kv in LIMITS.items() for x in kv]
-    proc = start_server(chat_checkpoint, tmp_path_factory.mktemp("hostile"), *args)
+    with pytest.MonkeyPatch.context() as mp:
+        # the reference kernels: nothing here is about speed, and no C++ (re)build at start
+        mp.setenv("KVSERVE_KERNELS", "0")
+        proc = start_server(chat_checkpoint, tmp_path_factory.mktemp("hostile"), *args)
     yield proc
     proc.stop()
 
@@ -179,15 +182,14 @@ def test_waiting_is_counted_live_and_a_dropped_batch_frees_everything(
     server: ServerProcess,
 ) -> None:
     body = {"prompt": [[5, 6, 7, i] for i in range(64)], "max_tokens": 500, "ignore_eos": True}
-    client = httpx.Client(timeout=120)
-    thread = threading.Thread(target=lambda: _swallow(client, body, server))
-    thread.start()
-    # 4 run (max_num_seqs), 60 wait: the first of them takes 500 steps to finish
-    m = server.wait_for("vllm:num_requests_waiting", 60)
-    assert m["vllm:num_requests_running"] == 4
-    assert httpx.get(f"{server.url}/health", timeout=HEALTH_BOUND_S).status_code == 200
-    client.close()  # the client goes away: the whole batch is aborted
-    thread.join()
+    sock = send_raw(server, "/v1/completions", body)
+    try:
+        # 4 run (max_num_seqs), 60 wait: the first of them takes 500 steps to finish
+        m = server.wait_for("vllm:num_requests_waiting", 60)
+        assert m["vllm:num_requests_running"] == 4
+        assert httpx.get(f"{server.url}/health", timeout=HEALTH_BOUND_S).status_code == 200
+    finally:
+        sock.close()  # the client goes away: the whole batch is aborted
     t0 = time.monotonic()
     m = server.wait_idle(timeout=30)
     print(f"a dropped 64-prompt batch was idle again after {time.monotonic() - t0:.2f} s")
@@ -195,36 +197,36 @@ def test_waiting_is_counted_live_and_a_dropped_batch_frees_everything(
     assert small_completion(server) < SMALL_BOUND_S
 
 
-def _swallow(client: httpx.Client, body: dict, server: ServerProcess) -> None:
-    try:
-        client.post(f"{server.url}/v1/completions", json=body)
-    except (httpx.HTTPError, RuntimeError):
-        pass  # closed under it: that is the point
+def send_raw(server: ServerProcess, path: str, body: dict) -> socket.socket:
+    """POST over a raw socket with a small receive window; the caller reads it, or not."""
+    content = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(content)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + content)
+    return sock
 
 
 def test_a_stream_whose_client_stops_reading_is_aborted(server: ServerProcess) -> None:
-    # 64 samples (forks run beside max_num_seqs) of ~800-byte events: the ~4 MB that the
-    # kernel's autotuned socket buffers absorb on loopback fill within ~70 steps
-    body = json.dumps(
-        {
-            "prompt": [5, 6, 7],
-            "n": 64,
-            "max_tokens": 1900,
-            "ignore_eos": True,
-            "logprobs": 20,
-            "stream": True,
-        }
-    ).encode()
-    host, port = server.url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
-    sock.connect((host, int(port)))
+    # 64 samples (forks run beside max_num_seqs) of ~2 KB events (20 top logprobs with their
+    # bytes): the ~4 MB the kernel's autotuned socket buffers absorb on loopback fill within
+    # a few dozen steps; after that the server's own buffer is what grows
+    body = {
+        "messages": [{"role": "user", "content": "Hi"}],
+        "n": 64,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "stream": True,
+    }
+    sock = send_raw(server, "/v1/chat/completions", body)
     try:
-        request = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
-        sock.sendall(request + body)
         # never read: the server must abort once 16 events per sequence sit unread
         deadline = time.monotonic() + 120
         while "its client stopped reading" not in server.log():
@@ -238,3 +240,58 @@ def test_a_stream_whose_client_stops_reading_is_aborted(server: ServerProcess) -
         assert small_completion(server) < SMALL_BOUND_S
     finally:
         sock.close()
+
+
+def test_health_is_503_while_the_engine_loop_is_wedged(
+    chat_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process: a step held on an Event stands in for a wedged device."""
+    monkeypatch.setenv("KVSERVE_KERNELS", "0")
+    from fastapi.testclient import TestClient
+
+    from kvserve.config import EngineConfig
+    from kvserve.server.app import build_app, new_state
+    from kvserve.server.config import ServerConfig
+    from kvserve.server.launch import load_served
+
+    config = ServerConfig(health_stall_timeout_s=0.3)
+    state = new_state(config, "tiny-chat")
+    state.served = load_served(
+        EngineConfig(model=str(chat_checkpoint), enforce_eager=True),
+        config,
+        "tiny-chat",
+        state.metrics,
+    )
+    engine = state.served.engine.engine
+    real_step, release, entered = engine.step, threading.Event(), threading.Event()
+
+    def held_step():
+        entered.set()
+        release.wait(30)
+        return real_step()
+
+    engine.step = held_step
+    try:
+        with TestClient(build_app(state)) as client:
+            assert client.get("/health").status_code == 200
+            body = {"prompt": "Hello", "max_tokens": 2, "stream": True}
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                assert entered.wait(30)
+                time.sleep(0.6)
+                health = client.get("/health")
+                assert health.status_code == 503 and health.headers["retry-after"] == "5"
+                error = health.json()["error"]
+                assert error["code"] == "engine_wedged"
+                assert "the limit is 0.3 s, --health-stall-timeout-s" in error["message"]
+                waiting = [
+                    line
+                    for line in client.get("/metrics").text.splitlines()
+                    if line.startswith("vllm:num_requests_waiting")
+                ]
+                assert waiting == ['vllm:num_requests_waiting{model_name="tiny-chat"} 1.0']
+                release.set()
+                assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+            assert client.get("/health").status_code == 200
+    finally:
+        release.set()
+        state.served.close()
