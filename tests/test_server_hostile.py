@@ -153,6 +153,10 @@ def test_stop_strings_are_bounded_in_count_and_length(server: ServerProcess) -> 
     error = error_of(meanwhile(server, post(server, body)), 400)
     assert error["param"] == "stop"
     assert error["message"] == "300000 stop strings were sent; the limit is 8 (--max-stop-strings)"
+    body = {"prompt": "Hi", "max_tokens": 1, "stop_token_ids": list(range(9))}
+    error = error_of(post(server, body)(), 400)
+    assert error["param"] == "stop_token_ids"
+    assert error["message"] == "9 stop token ids were sent; the limit is 8 (--max-stop-strings)"
     chat = {"messages": [{"role": "user", "content": "Hi"}], "stop": ["x" * 40, "y" * 30]}
     error = error_of(post(server, chat, "/v1/chat/completions")(), 400)
     assert error["message"] == (

@@ -192,6 +192,12 @@ class Served:
         if stop and self.tokenizer is None:
             raise bad_request("stop strings need a tokenizer; use stop_token_ids", "stop")
         stop_ids = list(req.stop_token_ids or [])
+        if len(stop_ids) > self.limits.max_stop_strings:  # checked at every token too
+            raise bad_request(
+                f"{len(stop_ids)} stop token ids were sent; the limit is "
+                f"{self.limits.max_stop_strings} (--max-stop-strings)",
+                "stop_token_ids",
+            )
         self.check_token_ids(stop_ids, "stop_token_ids")
         fields = {
             "max_tokens": max_tokens,
