@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 from kvserve.engine.engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request, RequestOutput
-from kvserve.server.engine_log import log_finished, log_stats
+from kvserve.server.engine_log import log_finished, log_stats, observe
 from kvserve.server.engine_records import (
     EngineDeadError,
     ErrorEvent,
@@ -324,7 +324,8 @@ class AsyncEngine:
             group = self._groups.get(rid)
             if group is None:
                 continue  # aborted by its caller in the meantime
-            self._observe(group, out, now)
+            if self.metrics is not None:
+                observe(self.metrics, group.last_token_at, out, now)
             group.put(OutputEvent(group.index[rid], out))
             if out.finished:
                 group.expected -= 1
@@ -348,16 +349,3 @@ class AsyncEngine:
         logger.warning("request %s: %s", group.group_id, reason)
         self._abort_group(group, "backpressure")
         group.put(ErrorEvent(f"the request was aborted: {reason}", 500))
-
-    def _observe(self, group: RequestGroup, out: RequestOutput, now: float) -> None:
-        if self.metrics is None or not out.new_token_ids:
-            return
-        prev = group.last_token_at.get(out.request_id)
-        if prev is None:
-            if out.ttft_s is not None:
-                self.metrics.ttft.observe(out.ttft_s)
-        else:
-            self.metrics.inter_token_latency.observe(now - prev)
-        group.last_token_at[out.request_id] = now
-        if out.finished:
-            self.metrics.request_finished(out.finish_reason)

@@ -1,4 +1,5 @@
-"""The AsyncEngine's log lines: one per finished request, and the periodic load line."""
+"""What the AsyncEngine's loop reports: a log line per finished request, the periodic load
+line, and the latency histograms observed as tokens come out."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 
 from kvserve.engine.engine import EngineStats
 from kvserve.engine.request import RequestOutput
+from kvserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvserve.server.async_engine")
 
@@ -41,3 +43,21 @@ def log_stats(s: EngineStats) -> None:
         100 * hit_rate,
         s.num_preemptions,
     )
+
+
+def observe(
+    metrics: ServerMetrics, last_token_at: dict[str, float], out: RequestOutput, now: float
+) -> None:
+    """TTFT on a sample's first token, inter-token latency after; ``last_token_at`` is the
+    group's per-sample time of its latest token (updated here)."""
+    if not out.new_token_ids:
+        return
+    prev = last_token_at.get(out.request_id)
+    if prev is None:
+        if out.ttft_s is not None:
+            metrics.ttft.observe(out.ttft_s)
+    else:
+        metrics.inter_token_latency.observe(now - prev)
+    last_token_at[out.request_id] = now
+    if out.finished:
+        metrics.request_finished(out.finish_reason)
