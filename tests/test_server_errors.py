@@ -221,6 +221,9 @@ def test_full_queue_is_503_and_a_queued_disconnect_frees_its_place(one_at_a_time
     assert m["vllm:kv_cache_usage_perc"] == 0.0
     ok = post(server, "/v1/completions", completion())
     assert ok.status_code == 200, ok.text
-    # an empty queue takes a batch larger than the bound: it is never refused forever
+    # a batch larger than the whole bound could never be queued: a 400 naming the bound
+    # (an empty queue used to take it, holding every other client out while it ran)
     batch = post(server, "/v1/completions", completion(prompt=["one", "two", "three"]))
-    assert batch.status_code == 200 and len(batch.json()["choices"]) == 3, batch.text
+    error = assert_error(batch, 400)
+    assert error["code"] == "too_many_prompts" and "--max-queued-requests" in error["message"]
+    assert "3 sequences" in error["message"], error

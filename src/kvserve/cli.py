@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queued-requests",
         type=int,
         default=_SERVER.max_queued_requests,
-        help="prompts waiting to start; beyond it requests get 503 with Retry-After",
+        help="sequences (n x prompts) waiting to start; beyond it requests get 503 with "
+        "Retry-After",
     )
     s.add_argument(
         "--max-body-bytes",
@@ -105,6 +106,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=_SERVER.log_interval_s,
         help="seconds between the running/waiting/KV usage log lines",
     )
+    flags = [
+        ("--max-prompts-per-request", int, "max_prompts_per_request", "prompts in one request"),
+        (
+            "--max-prompt-tokens-per-request",
+            int,
+            "max_prompt_tokens_per_request",
+            "prompt tokens of one request, all prompts together",
+        ),
+        ("--max-stop-strings", int, "max_stop_strings", "stop strings in one request"),
+        ("--max-stop-chars", int, "max_stop_chars", "total length of one request's stop strings"),
+        (
+            "--max-stream-buffer-events",
+            int,
+            "max_stream_buffer_events",
+            "unread events per sequence after which a stalled stream is aborted",
+        ),
+        (
+            "--health-stall-timeout-s",
+            float,
+            "health_stall_timeout_s",
+            "/health answers 503 when no engine step finished for this long while work waits",
+        ),
+        ("--preprocess-threads", int, "preprocess_threads", "threads tokenizing requests"),
+    ]
+    for flag, kind, name, doc in flags:
+        s.add_argument(flag, type=kind, default=getattr(_SERVER, name), help=doc)
 
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
     add_model_args(v)
@@ -244,6 +271,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         max_body_bytes=args.max_body_bytes,
         log_interval_s=args.log_interval,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_chars,
+        max_stream_buffer_events=args.max_stream_buffer_events,
+        health_stall_timeout_s=args.health_stall_timeout_s,
+        preprocess_threads=args.preprocess_threads,
     )
     run_server(engine, server)
     return 0

@@ -55,6 +55,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # n > 1: parent request id -> its unfinished forked samples (outlives the parent, so
+        # aborting the parent's id finds them); kept so abort never scans every request
+        self.children: dict[str, list[Request]] = {}
         self.num_preemptions = 0
 
     # -- admission -------------------------------------------------------------------------
@@ -75,6 +78,7 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.kv.fork(parent, child)
         self.requests[child.request_id] = child
+        self.children.setdefault(parent.request_id, []).append(child)
         self.running.append(child)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -84,10 +88,41 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
+        self._release(req, status)
+
+    def finish_many(self, reqs: list[Request], status: RequestStatus) -> None:
+        """``finish`` for many at once: one pass over each queue, not one per request."""
+        assert status.finished
+        running: set[str] = set()
+        waiting: set[str] = set()
+        live = []
+        for r in reqs:  # identity compares: Enum hashing is Python code, slow at 16k
+            if r.status is RequestStatus.RUNNING:
+                running.add(r.request_id)
+            elif r.status is RequestStatus.WAITING or r.status is RequestStatus.PREEMPTED:
+                waiting.add(r.request_id)
+            else:
+                continue  # finished already
+            live.append(r)
+        if running:
+            self.running = [r for r in self.running if r.request_id not in running]
+        if waiting:
+            self.waiting = deque(r for r in self.waiting if r.request_id not in waiting)
+        now = time.monotonic()
+        for r in live:
+            self._release(r, status, now)
+
+    def _release(self, req: Request, status: RequestStatus, now: float | None = None) -> None:
         req.status = status
-        req.finished_time = time.monotonic()
+        req.finished_time = time.monotonic() if now is None else now
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
+        if req.parent_id is not None:
+            siblings = self.children.get(req.parent_id)
+            if siblings is not None:
+                siblings.remove(req)  # at most n - 1 long
+                if not siblings:
+                    del self.children[req.parent_id]
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

@@ -83,10 +83,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        s = served()
-        if not s.engine.alive:
-            message = f"the engine loop has stopped: {s.engine.error!r}"
-            raise APIError(503, message, code="engine_dead", headers={"Retry-After": "5"})
+        status = served().engine.health()
+        if not status.ok:
+            code = f"engine_{status.state.value}"  # engine_dead | engine_wedged
+            raise APIError(503, status.message, code=code, headers={"Retry-After": "5"})
         return Response(status_code=200)
 
     @app.get("/v1/models", response_model=ModelList)
@@ -105,9 +105,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(served(), body, request)
 
-    @app.post("/tokenize", response_model=TokenizeResponse)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        s = served()
+    def tokenize_blocking(s: Served, body: TokenizeRequest) -> TokenizeResponse:
         s.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of prompt or messages", "prompt")
@@ -117,12 +115,21 @@ def build_app(state: ServerState) -> FastAPI:
             ids = s.require_tokenizer().encode(body.prompt, body.add_special_tokens)
         return TokenizeResponse(count=len(ids), max_model_len=s.max_model_len, tokens=ids)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        s = served()
+    def detokenize_blocking(s: Served, body: DetokenizeRequest) -> DetokenizeResponse:
         s.check_model(body.model)
         s.check_token_ids(body.tokens, "tokens")
         return DetokenizeResponse(prompt=s.require_tokenizer().decode(body.tokens))
+
+    # tokenizing runs in the preprocessing pool: the event loop keeps answering meanwhile
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        s = served()
+        return await s.run_blocking(tokenize_blocking, s, body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        s = served()
+        return await s.run_blocking(detokenize_blocking, s, body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

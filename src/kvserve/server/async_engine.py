@@ -1,10 +1,27 @@
 """AsyncEngine: one LLMEngine driven by a background thread, many asyncio callers.
 
 ``LLMEngine`` is single-threaded, so only the loop thread ever touches it. Callers (the HTTP
-handlers, on the asyncio event loop) send commands -- add, abort -- through a thread-safe
-queue and wake the loop; the loop thread hands each request's events to that request's own
-``asyncio.Queue`` with ``call_soon_threadsafe``. A request group (one HTTP request: several
-prompts, each with n samples) shares one queue and ends when every sample has finished.
+handlers, on the asyncio event loop) send typed commands (``AddCommand``, ``AbortCommand``)
+through a thread-safe queue and wake the loop; the loop thread hands each group's events to
+that group's own ``asyncio.Queue`` with ``call_soon_threadsafe``.
+
+Admission, fair and O(batch):
+
+- ``submit`` counts *sequences* (n x prompts) against ``max_queued_requests``, where requests
+  enter: a group that does not fit next to what already waits is refused at once
+  (``QueueFullError``, a 503 with Retry-After); one larger than the whole bound is a
+  ``ValueError`` (it could never fit).
+- Groups wait here, not in the engine: each loop iteration feeds the engine round-robin, one
+  prompt per group per turn, only as much as its next step can admit (free ``max_num_seqs``
+  slots, ``max_num_batched_tokens`` of prompt). So a small request that arrives behind a
+  1000-prompt batch starts within a step or two, the engine's waiting queue stays O(batch),
+  and aborting a big batch drops its unfed prompts without the engine seeing them.
+
+Backpressure: a group whose caller has left more than ``max_stream_buffer_events`` events per
+sequence unread (a client that stopped reading its stream) is aborted with a logged reason.
+
+Health: ``health()`` is DEAD once the loop has stopped, WEDGED while work waits and no loop
+iteration has finished for ``health_stall_timeout_s``.
 
 If the loop dies, every open stream gets an ``ErrorEvent``, new submissions raise
 ``EngineDeadError`` and ``alive`` turns False (the server's /health then answers 503).
@@ -13,96 +30,49 @@ If the loop dies, every open stream gets an ``ErrorEvent``, new submissions rais
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Sequence
 
 from kvserve.engine.engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request, RequestOutput
-from kvserve.sampling import SamplingParams
+from kvserve.server.engine_log import log_finished, log_stats, observe
+from kvserve.server.engine_records import (
+    EngineDeadError,
+    ErrorEvent,
+    Event,
+    Health,
+    HealthStatus,
+    OutputEvent,
+    PromptSpec,
+    QueueFullError,
+)
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.request_group import (
+    AbortCommand,
+    AddCommand,
+    Command,
+    RequestGroup,
+    RequestStream,
+)
+
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "ErrorEvent",
+    "Event",
+    "OutputEvent",
+    "PromptSpec",
+    "QueueFullError",
+    "RequestStream",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class QueueFullError(Exception):
-    """The bounded waiting queue is full; retry later."""
-
-
-class EngineDeadError(Exception):
-    """The engine loop has stopped; nothing more will run."""
-
-
-@dataclass(frozen=True, slots=True)
-class OutputEvent:
-    prompt_index: int  # which prompt of the group
-    output: RequestOutput
-
-
-@dataclass(frozen=True, slots=True)
-class ErrorEvent:
-    message: str
-    status: int  # the HTTP status it would have had before streaming began
-
-
-Event = OutputEvent | ErrorEvent
-
-
-@dataclass(frozen=True, slots=True)
-class PromptSpec:
-    """One prompt of a group, already tokenized and checked."""
-
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(slots=True)
-class _Group:
-    """Loop-thread bookkeeping of one submitted group."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[Event]
-    request_ids: list[str]
-    expected: int  # samples still to finish
-    arrival: float = field(default_factory=time.monotonic)
-    last_token_at: dict[str, float] = field(default_factory=dict)  # per sample
-
-    def put(self, event: Event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the event loop has closed (server shutting down)
-            pass
-
-
-class RequestStream:
-    """What a caller holds: iterate it for events; ``abort()`` if it stops listening early."""
-
-    def __init__(self, owner: AsyncEngine, request_ids: list[str], expected: int) -> None:
-        self._owner = owner
-        self.request_ids = request_ids
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._remaining = expected
-        self.done = False
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        while not self.done:
-            event = await self._queue.get()
-            if isinstance(event, ErrorEvent):
-                self.done = True
-            elif event.output.finished:
-                self._remaining -= 1
-                self.done = self._remaining == 0
-            yield event
-
-    def abort(self) -> None:
-        """Abort every prompt of the group that has not finished (idempotent)."""
-        if not self.done:
-            self.done = True
-            self._owner.abort(self.request_ids)
 
 
 class AsyncEngine:
@@ -110,29 +80,46 @@ class AsyncEngine:
         self,
         engine: LLMEngine,
         metrics: ServerMetrics | None = None,
-        max_queued_requests: int = 256,
+        max_queued_requests: int = 4096,
         log_interval_s: float = 10.0,
+        max_stream_buffer_events: int = 1024,
+        health_stall_timeout_s: float = 30.0,
     ) -> None:
-        if max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        if max_stream_buffer_events < 1:
+            raise ValueError(
+                f"max_stream_buffer_events must be >= 1, got {max_stream_buffer_events}"
+            )
+        if not health_stall_timeout_s > 0:
+            raise ValueError(f"health_stall_timeout_s must be > 0, got {health_stall_timeout_s}")
         self.engine = engine
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
         self.log_interval_s = log_interval_s
-        self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.max_stream_buffer_events = max_stream_buffer_events
+        self.health_stall_timeout_s = health_stall_timeout_s
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _num_queued
-        self._num_queued = 0  # submitted prompts not yet scheduled for the first time
+        # sequences submitted and not yet scheduled for the first time: unfed here, or fed
+        # and waiting in the engine. The truth for the bound and for /metrics' waiting.
+        self._num_queued = 0
         self._ids = itertools.count()
-        self._groups: dict[str, _Group] = {}  # loop thread only: engine request id -> group
-        self._not_started: dict[str, Request] = {}  # loop thread only
+        # loop thread only:
+        self._groups: dict[str, RequestGroup] = {}  # fed engine request id -> its group
+        self._pending: deque[RequestGroup] = deque()  # groups with unfed prompts, round-robin
+        self._not_started: dict[str, Request] = {}  # fed, never scheduled (<= max_num_seqs)
+        self._num_preempted_waiting = 0  # waiting in the engine after a preemption
         self._stats: EngineStats = engine.stats()  # the loop's latest snapshot
+        self._heartbeat = time.monotonic()  # when the loop last finished an iteration
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
 
     # -- caller side (asyncio event loop) ----------------------------------------------------
     def start(self) -> None:
+        self._heartbeat = time.monotonic()
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -145,8 +132,28 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None and not self._stop.is_set()
 
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting to run: queued here or in the engine, preempted ones too."""
+        return self._num_queued + self._num_preempted_waiting
+
     def stats(self) -> EngineStats:
-        return self._stats
+        """The loop's latest snapshot, with the waiting count as it is now."""
+        return dataclasses.replace(self._stats, num_waiting=self.num_waiting)
+
+    def health(self) -> HealthStatus:
+        if not self.alive:
+            return HealthStatus(Health.DEAD, f"the engine loop has stopped: {self.error!r}")
+        stalled = time.monotonic() - self._heartbeat
+        busy = self._num_queued > 0 or self._stats.num_running > 0
+        if busy and stalled > self.health_stall_timeout_s:
+            return HealthStatus(
+                Health.WEDGED,
+                f"no engine step has finished for {stalled:.1f} s while {self.num_waiting} "
+                f"sequences wait (the limit is {self.health_stall_timeout_s:g} s, "
+                "--health-stall-timeout-s)",
+            )
+        return HealthStatus(Health.OK)
 
     def submit(
         self,
@@ -154,35 +161,40 @@ class AsyncEngine:
         cache_salt: str | None = None,
         group_id: str | None = None,
     ) -> RequestStream:
-        """Queue a group of prompts; raises QueueFullError / EngineDeadError (nothing queued).
+        """Queue a group of prompts; raises QueueFullError / EngineDeadError / ValueError
+        (nothing queued then).
 
         Prompt i runs as engine request ``{group_id}-{i}`` (samples: ``{group_id}-{i}-{j}``),
         so log lines carry the id the client got back.
         """
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
+        seqs = sum(p.params.n for p in prompts)
+        if seqs > self.max_queued_requests:
+            raise ValueError(
+                f"this request is {seqs} sequences (n x prompts), more than the server queues "
+                f"at once ({self.max_queued_requests}, --max-queued-requests)"
+            )
         with self._lock:
-            # an empty queue takes any group, so a batch larger than the bound is not
-            # refused forever
-            queued = self._num_queued
-            if queued > 0 and queued + len(prompts) > self.max_queued_requests:
+            if self._num_queued + seqs > self.max_queued_requests:
                 raise QueueFullError(
-                    f"{self._num_queued} requests are already waiting (the limit is "
-                    f"{self.max_queued_requests}); retry later"
+                    f"{self._num_queued} sequences are already waiting and this request adds "
+                    f"{seqs} (the limit is {self.max_queued_requests}, --max-queued-requests); "
+                    "retry later"
                 )
-            self._num_queued += len(prompts)
+            self._num_queued += seqs
         base = group_id or f"group-{next(self._ids)}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        stream = RequestStream(self, ids, sum(p.params.n for p in prompts))
-        group = _Group(asyncio.get_running_loop(), stream._queue, ids, stream._remaining)
-        self._commands.put(("add", group, list(prompts), cache_salt))
+        group = RequestGroup(base, asyncio.get_running_loop(), ids, list(prompts), cache_salt)
+        stream = RequestStream(self, group)
+        self._commands.put(AddCommand(group))
         self._wake.set()
         if self.error is not None:  # died meanwhile: its last drain may have missed this add
             group.put(ErrorEvent(f"the engine loop died: {self.error!r}", 500))
         return stream
 
-    def abort(self, request_ids: Sequence[str]) -> None:
-        self._commands.put(("abort", list(request_ids)))
+    def abort(self, group: RequestGroup, reason: str = "the client went away") -> None:
+        self._commands.put(AbortCommand(group, reason))
         self._wake.set()
 
     # -- loop thread -------------------------------------------------------------------------
@@ -193,6 +205,8 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
+                self._feed()
+                self._snapshot()
                 if engine.has_unfinished_requests():
                     busy_since_log = True
                     outputs = engine.step()
@@ -203,66 +217,102 @@ class AsyncEngine:
                 else:
                     self._wake.wait(timeout=min(self.log_interval_s, 1.0))
                     self._wake.clear()
-                self._stats = engine.stats()
+                self._snapshot()
                 now = time.monotonic()
                 if busy_since_log and now - last_log >= self.log_interval_s:
-                    self._log_stats()
+                    log_stats(self.stats())
                     last_log, busy_since_log = now, engine.has_unfinished_requests()
         except BaseException as e:  # noqa: BLE001 - whatever killed the loop goes to every stream
             self.error = e
             logger.exception("the engine loop died")
-            groups = {id(g): g for g in self._groups.values()}
-            while True:  # adds that raced the death would otherwise wait forever
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if command[0] == "add":
-                    groups[id(command[1])] = command[1]
-            for group in groups.values():
-                group.put(ErrorEvent(f"the engine loop died: {e!r}", 500))
-            self._groups.clear()
+            self._fail_all(ErrorEvent(f"the engine loop died: {e!r}", 500))
+
+    def _fail_all(self, event: ErrorEvent) -> None:
+        """Send ``event`` to every group the loop knows of, and to adds still in the queue
+        (they raced the death and would otherwise wait forever)."""
+        groups = {id(g): g for g in [*self._groups.values(), *self._pending]}
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, AddCommand):
+                groups[id(command.group)] = command.group
+        for group in groups.values():
+            if not group.done:
+                group.done = True
+                group.put(event)
+        self._groups.clear()
+        self._pending.clear()
+
+    def _snapshot(self) -> None:
+        sched = self.engine.scheduler
+        self._num_preempted_waiting = max(0, len(sched.waiting) - len(self._not_started))
+        self._stats = self.engine.stats()
+        self._heartbeat = time.monotonic()
 
     def _drain_commands(self) -> None:
-        engine = self.engine
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, group, prompts, cache_salt = command
-                self._add(group, prompts, cache_salt)
+            if isinstance(command, AddCommand):
+                self._pending.append(command.group)
             else:
-                for rid in command[1]:
-                    if self._groups.pop(rid, None) is not None:
-                        self._forget_not_started(rid)
-                        engine.abort_request(rid)
-                        logger.info("request %s aborted", rid)
+                self._abort_group(command.group, command.reason)
 
-    def _add(self, group: _Group, prompts: list[PromptSpec], cache_salt: str | None) -> None:
-        added = []
-        try:
-            for rid, p in zip(group.request_ids, prompts, strict=True):
-                req = self.engine.add_request(p.prompt_token_ids, p.params, rid, cache_salt)
-                self._groups[rid] = group
-                self._not_started[rid] = req
-                added.append(rid)
-        except ValueError as e:  # checked by the handler already; a last line of defence
-            for rid in added:
-                self._groups.pop(rid, None)
-                self._forget_not_started(rid)
-                self.engine.abort_request(rid)
-            with self._lock:
-                self._num_queued -= len(prompts) - len(added)
-            group.put(ErrorEvent(str(e), 400))
+    def _feed(self) -> None:
+        """Hand the engine what its next step can admit, one prompt per group per turn."""
+        sched = self.engine.scheduler
+        seats = sched.config.max_num_seqs - len(sched.running) - len(sched.waiting)
+        tokens = sched.config.max_num_batched_tokens
+        tokens -= sum(r.num_prompt_tokens for r in self._not_started.values())
+        while self._pending and seats > 0 and tokens > 0:
+            group = self._pending.popleft()
+            if group.done:
+                continue  # aborted while waiting here; its count is already returned
+            i = group.num_fed
+            spec = group.prompts[i]
+            rid = group.request_ids[i]
+            try:
+                req = self.engine.add_request(
+                    spec.prompt_token_ids, spec.params, rid, group.cache_salt
+                )
+            except ValueError as e:  # checked by the handler already; a last line of defence
+                self._abort_group(group, f"refused by the engine: {e}")
+                group.put(ErrorEvent(str(e), 400))
+                continue
+            group.num_fed += 1
+            self._groups[rid] = group
+            self._not_started[rid] = req
+            seats -= spec.params.n
+            tokens -= len(spec.prompt_token_ids)
+            if group.num_fed < len(group.prompts):
+                self._pending.append(group)
+
+    def _abort_group(self, group: RequestGroup, reason: str) -> None:
+        """Abort every unfinished prompt of the group: O(its prompts), never O(all)."""
+        if group.done:
+            return
+        group.done = True
+        live = [r for r in group.request_ids[: group.num_fed] if self._groups.pop(r, None)]
+        for rid in live:
+            self._forget_not_started(rid)
+        unfed = group.unfed_sequences()
+        with self._lock:
+            self._num_queued -= unfed
+        self.engine.abort_requests(live)
+        logger.info("request %s aborted (%s)", group.group_id, reason)
 
     def _forget_not_started(self, rid: str) -> None:
-        if self._not_started.pop(rid, None) is not None:
+        req = self._not_started.pop(rid, None)
+        if req is not None:
             with self._lock:
-                self._num_queued -= 1
+                self._num_queued -= req.sampling_params.n
 
     def _note_started(self) -> None:
+        # _not_started holds only what _feed let in: at most max_num_seqs requests
         started = [rid for rid, r in self._not_started.items() if r.first_scheduled_time]
         for rid in started:
             self._forget_not_started(rid)
@@ -274,58 +324,28 @@ class AsyncEngine:
             group = self._groups.get(rid)
             if group is None:
                 continue  # aborted by its caller in the meantime
-            self._observe(group, out, now)
-            group.put(OutputEvent(group.request_ids.index(rid), out))
+            if self.metrics is not None:
+                observe(self.metrics, group.last_token_at, out, now)
+            group.put(OutputEvent(group.index[rid], out))
             if out.finished:
                 group.expected -= 1
-                self._log_finished(out)
+                log_finished(out)
                 if group.expected == 0:
+                    group.done = True
                     for r in group.request_ids:
                         self._groups.pop(r, None)
                     if self.metrics is not None:
                         self.metrics.e2e_latency.observe(now - group.arrival)
+            elif group.unread > self.max_stream_buffer_events * group.num_sequences:
+                self._stalled(group)
 
-    def _observe(self, group: _Group, out: RequestOutput, now: float) -> None:
-        if self.metrics is None or not out.new_token_ids:
-            return
-        prev = group.last_token_at.get(out.request_id)
-        if prev is None:
-            if out.ttft_s is not None:
-                self.metrics.ttft.observe(out.ttft_s)
-        else:
-            self.metrics.inter_token_latency.observe(now - prev)
-        group.last_token_at[out.request_id] = now
-        if out.finished:
-            self.metrics.request_finished(out.finish_reason)
-
-    def _log_finished(self, out: RequestOutput) -> None:
-        def ms(s: float | None) -> str:
-            return "-" if s is None else f"{s * 1e3:.0f} ms"
-
-        logger.info(
-            "request %s finished (%s): prompt %d tokens (%d cached), generated %d; "
-            "queue %s, TTFT %s, decode %s",
-            out.request_id,
-            out.finish_reason,
-            len(out.prompt_token_ids),
-            out.num_cached_tokens,
-            len(out.token_ids),
-            ms(out.queue_time_s),
-            ms(out.ttft_s),
-            ms(out.decode_time_s),
+    def _stalled(self, group: RequestGroup) -> None:
+        """Its caller stopped reading: abort, so a stalled stream holds bounded memory."""
+        unread = group.unread
+        reason = (
+            f"its client stopped reading: {unread} events unread, the limit is "
+            f"{self.max_stream_buffer_events} per sequence (--max-stream-buffer-events)"
         )
-
-    def _log_stats(self) -> None:
-        s = self._stats
-        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        logger.info(
-            "running %d, waiting %d, KV cache usage %.1f%% (%d/%d blocks), prefix cache hit "
-            "rate %.1f%%, %d preemptions",
-            s.num_running,
-            s.num_waiting,
-            100 * s.kv_cache_usage,
-            s.num_used_blocks,
-            s.num_blocks,
-            100 * hit_rate,
-            s.num_preemptions,
-        )
+        logger.warning("request %s: %s", group.group_id, reason)
+        self._abort_group(group, "backpressure")
+        group.put(ErrorEvent(f"the request was aborted: {reason}", 500))

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 
 from kvserve.engine.request import RequestOutput
+from kvserve.sampling import SamplingParams
 from kvserve.server.async_engine import PromptSpec, RequestStream
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import (
@@ -80,21 +81,29 @@ def _logprobs(
     return ChatLogprobs(content=content)
 
 
-async def create_chat_completion(
-    served: Served, req: ChatCompletionRequest, request: HTTPRequest
-) -> Response:
+def _prepare(served: Served, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+    """Validate and template: blocking work, run in ``served``'s preprocessing pool."""
     served.check_model(req.model)
     if req.tools:
         raise bad_request("tools are not supported by kvserve", "tools")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    served.check_sequences(1, req.n)
     ids = chat_prompt(served, req.messages, req.add_generation_prompt)
+    served.check_prompt_tokens(len(ids))
     requested, param = req.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = req.max_tokens, "max_tokens"
     max_tokens = served.resolve_max_tokens(requested, len(ids), None, param, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = served.sampling_params(req, max_tokens, k)
+    return ids, served.sampling_params(req, max_tokens, k)
+
+
+async def create_chat_completion(
+    served: Served, req: ChatCompletionRequest, request: HTTPRequest
+) -> Response:
+    ids, params = await served.run_blocking(_prepare, served, req)
+    k = (req.top_logprobs or 0) if req.logprobs else None
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = served.submit(

@@ -46,7 +46,9 @@ def _prompts(served: Served, req: CompletionRequest) -> list[list[int]]:
         batch = [p]
     else:
         batch = list(p)
+    served.check_sequences(len(batch), req.n)  # before tokenizing any of them
     out = []
+    total = 0
     for item in batch:
         if isinstance(item, str):
             ids = served.require_tokenizer().encode(item) if item else []
@@ -55,6 +57,8 @@ def _prompts(served: Served, req: CompletionRequest) -> list[list[int]]:
             served.check_token_ids(ids, "prompt")
         if not ids:
             raise bad_request("the prompt is empty", "prompt", "empty_prompt")
+        total += len(ids)
+        served.check_prompt_tokens(total)  # stop at the first prompt past the bound
         out.append(ids)
     return out
 
@@ -89,9 +93,8 @@ def _logprobs(
     return lp, offset
 
 
-async def create_completion(
-    served: Served, req: CompletionRequest, request: HTTPRequest
-) -> Response:
+def _prepare(served: Served, req: CompletionRequest) -> tuple[list[list[int]], list[PromptSpec]]:
+    """Validate and tokenize: blocking work, run in ``served``'s preprocessing pool."""
     served.check_model(req.model)
     _refuse_unsupported(req)
     prompts = _prompts(served, req)
@@ -101,6 +104,13 @@ async def create_completion(
             req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
         )
         specs.append(PromptSpec(ids, served.sampling_params(req, max_tokens, req.logprobs)))
+    return prompts, specs
+
+
+async def create_completion(
+    served: Served, req: CompletionRequest, request: HTTPRequest
+) -> Response:
+    prompts, specs = await served.run_blocking(_prepare, served, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = served.submit(specs, salt_for(tenant_of(request), req.cache_salt), rid)

@@ -12,6 +12,11 @@ from kvserve.server.tenants import tenant_keys
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt that fits a context window
 
 
+def _at_least(name: str, value: int | float, low: int | float) -> None:
+    if not value >= low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -20,11 +25,22 @@ class ServerConfig:
     # (key, tenant) pairs from --api-keys; each tenant's prefix cache is its own
     api_keys: tuple[tuple[str, str], ...] = ()
     served_model_name: str | None = None  # None: the checkpoint's file or directory name
-    # prompts waiting to start; beyond it requests are refused with 503 (an empty queue
-    # takes any request)
-    max_queued_requests: int = 256
+    # sequences (n x prompts) waiting to start, counted where requests enter; a request that
+    # does not fit beside them gets 503 + Retry-After, one larger than the bound a 400
+    max_queued_requests: int = 4096
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_interval_s: float = 10.0  # the periodic running / waiting / KV usage line
+    # per-request bounds (400 naming the limit): one request never costs the others more
+    # than this much tokenizing, queueing or per-token stop-string scanning
+    max_prompts_per_request: int = 1024
+    max_prompt_tokens_per_request: int = 1 << 18  # all prompts of one request together
+    max_stop_strings: int = 32  # OpenAI allows 4; vLLM no limit; this bounds the per-token scan
+    max_stop_chars: int = 4096  # total length of a request's stop strings
+    # a stream whose client has this many events per sequence unread is aborted
+    max_stream_buffer_events: int = 1024
+    # /health turns 503 when no engine step has finished for this long while work waits
+    health_stall_timeout_s: float = 30.0
+    preprocess_threads: int = 2  # tokenizing / templating / validating, off the event loop
 
     @property
     def tenant_keys(self) -> dict[str, str]:
@@ -43,9 +59,21 @@ class ServerConfig:
             if key in seen or key == self.api_key:
                 raise ValueError("an API key is listed twice (in api_keys or as api_key)")
             seen.add(key)
-        if self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if not self.log_interval_s > 0:
             raise ValueError(f"log_interval_s must be positive, got {self.log_interval_s}")
+        for name in (
+            "max_queued_requests",
+            "max_prompts_per_request",
+            "max_prompt_tokens_per_request",
+            "max_stream_buffer_events",
+            "preprocess_threads",
+        ):
+            _at_least(name, getattr(self, name), 1)
+        _at_least("max_stop_strings", self.max_stop_strings, 0)
+        _at_least("max_stop_chars", self.max_stop_chars, 0)
+        if not self.health_stall_timeout_s > 0:
+            raise ValueError(
+                f"health_stall_timeout_s must be positive, got {self.health_stall_timeout_s}"
+            )

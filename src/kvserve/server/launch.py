@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import uvicorn
@@ -48,11 +49,23 @@ def load_served(
         session, engine_config.cache, engine_config.scheduler, engine_config.enforce_eager
     )
     loop = AsyncEngine(
-        engine, metrics, server_config.max_queued_requests, server_config.log_interval_s
+        engine,
+        metrics,
+        server_config.max_queued_requests,
+        server_config.log_interval_s,
+        max_stream_buffer_events=server_config.max_stream_buffer_events,
+        health_stall_timeout_s=server_config.health_stall_timeout_s,
     )
     loop.start()
     return Served(
-        engine=loop, tokenizer=session.tokenizer, model_name=model_name, limits=engine.limits
+        engine=loop,
+        tokenizer=session.tokenizer,
+        model_name=model_name,
+        limits=engine.limits,
+        bounds=server_config,
+        executor=ThreadPoolExecutor(
+            server_config.preprocess_threads, thread_name_prefix="kvserve-preprocess"
+        ),
     )
 
 
@@ -85,6 +98,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         server.run()
     finally:
         if state.served is not None:
-            state.served.engine.shutdown()
+            state.served.close()
     if failure:
         raise failure[0]

@@ -1,7 +1,10 @@
 """Prometheus metrics under vLLM's names, in a registry of the server's own (no globals).
 
-Gauges and counters come from the engine loop's latest ``EngineStats`` snapshot at scrape
-time, so they can never drift from the engine's own counts. The latency histograms are
+Gauges and counters come from ``AsyncEngine.stats()`` at scrape time: the engine loop's
+latest ``EngineStats`` snapshot, so they can never drift from the engine's own counts, except
+waiting, which is the AsyncEngine's live count of sequences (n x prompts) not yet started,
+kept where requests enter (a snapshot taken between steps would miss what arrived during a
+long step), plus the preempted ones. The latency histograms are
 observed by the engine loop thread as tokens come out (prometheus_client is thread-safe).
 """
 
@@ -53,7 +56,11 @@ class _EngineStatsCollector(Collector):
             return c
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", s.num_waiting)
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Sequences waiting to run (queued or preempted).",
+            s.num_waiting,
+        )
         yield gauge(
             "vllm:kv_cache_usage_perc", "KV cache usage: 1 means every block is in use.",
             s.kv_cache_usage,

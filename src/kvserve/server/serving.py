@@ -9,10 +9,13 @@ with nothing queued; the engine's own checks stay as a last line of defence.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
@@ -31,6 +34,7 @@ from kvserve.server.async_engine import (
     QueueFullError,
     RequestStream,
 )
+from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import PromptTokensDetails, Usage, _SamplingRequest
 from kvserve.tokenizer import Tokenizer
@@ -38,6 +42,9 @@ from kvserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
@@ -52,6 +59,10 @@ class Served:
     tokenizer: Tokenizer | None
     model_name: str
     limits: RequestLimits  # the engine's own check of a request (thread-safe: frozen data)
+    bounds: ServerConfig = field(default_factory=ServerConfig)  # the per-request bounds
+    # where tokenizing, templating and validating run, off the event loop (None: asyncio's
+    # default executor)
+    executor: Executor | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -60,6 +71,18 @@ class Served:
     @property
     def vocab_size(self) -> int:
         return self.limits.vocab_size
+
+    async def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` in the preprocessing pool, so the event loop (/health, every other
+        client's stream) keeps running meanwhile. Tokenizers release the GIL while they
+        work; pure-Python validation yields it every few milliseconds."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -85,6 +108,44 @@ class Served:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # -- limits and parameters -----------------------------------------------------------
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """Before any tokenizing: the request's prompts, counted with their n samples."""
+        limit = self.bounds.max_prompts_per_request
+        if num_prompts * n > limit:
+            what = f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n={n}"
+            raise bad_request(
+                f"this request has {what} = {num_prompts * n} sequences; the limit is {limit} "
+                "per request (--max-prompts-per-request)",
+                "prompt" if n == 1 else "n",
+                "too_many_prompts",
+            )
+
+    def check_prompt_tokens(self, total: int) -> None:
+        limit = self.bounds.max_prompt_tokens_per_request
+        if total > limit:
+            raise bad_request(
+                f"this request's prompts are {total} tokens together; the limit is {limit} "
+                "per request (--max-prompt-tokens-per-request)",
+                "prompt",
+                "too_many_prompt_tokens",
+            )
+
+    def check_stops(self, stop: Sequence[str]) -> None:
+        """Stop strings are scanned at every token of every sample: bound that work."""
+        count, chars = len(stop), sum(len(s) for s in stop)
+        if count > self.bounds.max_stop_strings:
+            raise bad_request(
+                f"{count} stop strings were sent; the limit is {self.bounds.max_stop_strings} "
+                "(--max-stop-strings)",
+                "stop",
+            )
+        if chars > self.bounds.max_stop_chars:
+            raise bad_request(
+                f"the stop strings are {chars} characters together; the limit is "
+                f"{self.bounds.max_stop_chars} (--max-stop-chars)",
+                "stop",
+            )
+
     def resolve_max_tokens(
         self,
         requested: int | None,
@@ -105,7 +166,14 @@ class Served:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
             raise bad_request("stop strings must not be empty", "stop")
+        self.check_stops(stop)
         stop_ids = list(req.stop_token_ids or [])
+        if len(stop_ids) > self.bounds.max_stop_strings:  # checked at every token too
+            raise bad_request(
+                f"{len(stop_ids)} stop token ids were sent; the limit is "
+                f"{self.bounds.max_stop_strings} (--max-stop-strings)",
+                "stop_token_ids",
+            )
         fields = {
             "max_tokens": max_tokens,
             "n": req.n,
@@ -141,6 +209,8 @@ class Served:
             raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead") from e
+        except ValueError as e:  # more sequences than the waiting bound: it never fits
+            raise bad_request(str(e), "prompt", "too_many_prompts") from e
 
 
 @contextmanager
