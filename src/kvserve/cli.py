@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ from kvserve.cli_args import (
     scheduler_config,
 )
 from kvserve.config import EngineConfig
+from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
 from kvserve.engine.request import RequestOutput
 from kvserve.server.config import ServerConfig
 from kvserve.session import generate_once
@@ -235,7 +237,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         log_interval_s=args.log_interval,
     )
-    run_server(engine, server)
+    # tests of fault containment make the model raise on chosen steps; read here only
+    fault_steps = os.environ.get(FAULT_STEPS_ENV, "")
+    faults = FaultInjector.parse(fault_steps)
+    if faults is not None:
+        logging.getLogger(__name__).warning(
+            "%s=%s: the model will raise on those model steps", FAULT_STEPS_ENV, fault_steps
+        )
+    run_server(engine, server, faults)
     return 0
 
 

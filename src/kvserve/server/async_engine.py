@@ -6,8 +6,13 @@ queue and wake the loop; the loop thread hands each request's events to that req
 ``asyncio.Queue`` with ``call_soon_threadsafe``. A request group (one HTTP request: several
 prompts, each with n samples) shares one queue and ends when every sample has finished.
 
-If the loop dies, every open stream gets an ``ErrorEvent``, new submissions raise
-``EngineDeadError`` and ``alive`` turns False (the server's /health then answers 503).
+Faults: a step that raises fails only its own requests (engine/faults.py); their groups get an
+``ErrorEvent`` naming the failure and the rest go on. An exception that escapes the loop, or
+``max_consecutive_step_failures`` failed steps in a row, restarts it: every request in flight
+gets an ``ErrorEvent``, the engine's KV state is rebuilt, and the loop serves again. Only a loop
+that restarts more than ``max_restarts`` times within ``restart_window_s`` (or cannot rebuild)
+dies: new submissions then raise ``EngineDeadError`` and ``alive`` turns False (the server's
+/health answers 503).
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from kvserve.engine.engine import EngineStats, LLMEngine
+from kvserve.engine.faults import describe
 from kvserve.engine.request import Request, RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.metrics import ServerMetrics
@@ -35,6 +42,10 @@ class QueueFullError(Exception):
 
 class EngineDeadError(Exception):
     """The engine loop has stopped; nothing more will run."""
+
+
+class RepeatedStepFailure(RuntimeError):
+    """Engine steps keep failing: the loop restarts to rebuild the engine's state."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +123,25 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         max_queued_requests: int = 256,
         log_interval_s: float = 10.0,
+        max_consecutive_step_failures: int = 3,
+        max_restarts: int = 3,
+        restart_window_s: float = 60.0,
     ) -> None:
         if max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if max_consecutive_step_failures < 1:
+            raise ValueError(
+                f"max_consecutive_step_failures must be >= 1, got {max_consecutive_step_failures}"
+            )
+        if max_restarts < 0 or restart_window_s <= 0:
+            raise ValueError(
+                f"max_restarts must be >= 0 and restart_window_s > 0, got {max_restarts} and "
+                f"{restart_window_s}"
+            )
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.max_restarts = max_restarts  # within restart_window_s; one more and it dies
+        self.restart_window_s = restart_window_s
+        self.num_restarts = 0
         self.engine = engine
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
@@ -186,42 +213,107 @@ class AsyncEngine:
         self._wake.set()
 
     # -- loop thread -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _serve(self) -> None:
         engine = self.engine
         last_log = time.monotonic()
         busy_since_log = False
-        try:
-            while not self._stop.is_set():
-                self._drain_commands()
-                if engine.has_unfinished_requests():
-                    busy_since_log = True
-                    outputs = engine.step()
-                    # before delivering: a client that sees this token may submit at once,
-                    # and must not find this request still counted as waiting
-                    self._note_started()
-                    self._deliver(outputs)
-                else:
-                    self._wake.wait(timeout=min(self.log_interval_s, 1.0))
-                    self._wake.clear()
-                self._stats = engine.stats()
+        while not self._stop.is_set():
+            self._drain_commands()
+            if engine.has_unfinished_requests():
+                busy_since_log = True
+                outputs = engine.step()
+                # before delivering: a client that sees this token may submit at once,
+                # and must not find this request still counted as waiting
+                self._note_started()
+                self._deliver(outputs)
+                self._check_step_failures()
+            else:
+                self._wake.wait(timeout=min(self.log_interval_s, 1.0))
+                self._wake.clear()
+            self._stats = engine.stats()
+            now = time.monotonic()
+            if busy_since_log and now - last_log >= self.log_interval_s:
+                self._log_stats()
+                last_log, busy_since_log = now, engine.has_unfinished_requests()
+
+    # -- faults (loop thread) ------------------------------------------------------------------
+    def _run(self) -> None:
+        """Serve; restart on an exception that escaped the engine's containment or on steps
+        failing in a row; die past ``max_restarts`` restarts within ``restart_window_s``, on a
+        restart that fails, or on KeyboardInterrupt / SystemExit."""
+        restarts: deque[float] = deque()  # monotonic times of the recent restarts
+        while True:
+            try:
+                self._serve()
+                return  # shut down
+            except Exception as e:  # noqa: BLE001 - every failure restarts or kills the loop
                 now = time.monotonic()
-                if busy_since_log and now - last_log >= self.log_interval_s:
-                    self._log_stats()
-                    last_log, busy_since_log = now, engine.has_unfinished_requests()
-        except BaseException as e:  # noqa: BLE001 - whatever killed the loop goes to every stream
-            self.error = e
-            logger.exception("the engine loop died")
-            groups = {id(g): g for g in self._groups.values()}
-            while True:  # adds that raced the death would otherwise wait forever
+                while restarts and now - restarts[0] > self.restart_window_s:
+                    restarts.popleft()
+                if len(restarts) >= self.max_restarts:
+                    logger.error(
+                        "the engine loop failed %d times within %.0f s; giving up",
+                        len(restarts) + 1, self.restart_window_s,
+                    )  # fmt: skip
+                    self._die(e)
+                    return
+                restarts.append(now)
                 try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if command[0] == "add":
-                    groups[id(command[1])] = command[1]
-            for group in groups.values():
-                group.put(ErrorEvent(f"the engine loop died: {e!r}", 500))
-            self._groups.clear()
+                    self._restart(e)
+                except Exception as broken:  # noqa: BLE001 - a loop that cannot restart dies
+                    self._die(broken)
+                    return
+            except BaseException as e:  # noqa: BLE001 - whatever killed the loop goes to every stream
+                self._die(e)
+                return
+
+    def _check_step_failures(self) -> None:
+        failures = self.engine.consecutive_step_failures
+        if failures >= self.max_consecutive_step_failures:
+            raise RepeatedStepFailure(f"{failures} engine steps in a row failed")
+
+    def _restart(self, error: Exception) -> None:
+        """Fail every request in flight, rebuild the engine's KV state, serve again. Commands
+        not drained yet (adds, aborts) stay queued and run after the restart."""
+        message = f"the engine loop restarted after: {describe(error)}"
+        groups = {id(g): g for g in self._groups.values()}
+        logger.error("%s; failing %d requests in flight", message, len(groups), exc_info=error)
+        for group in groups.values():
+            group.put(ErrorEvent(message, 500))
+        self._groups.clear()
+        for rid in list(self._not_started):
+            self._forget_not_started(rid)
+        self.engine.fail_all(message)  # their outputs are not needed: the groups have the error
+        self.num_restarts += 1
+        self._stats = self.engine.stats()
+
+    def _die(self, e: BaseException) -> None:
+        self.error = e
+        logger.error("the engine loop died", exc_info=e)
+        groups = {id(g): g for g in self._groups.values()}
+        while True:  # adds that raced the death would otherwise wait forever
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                groups[id(command[1])] = command[1]
+        for group in groups.values():
+            group.put(ErrorEvent(f"the engine loop died: {e!r}", 500))
+        self._groups.clear()
+
+    def _fail_group(self, group: _Group, out: RequestOutput) -> None:
+        """A sample failed in the engine (its step raised): the whole group ends with an
+        ErrorEvent naming the failure (in-band on a stream, a JSON 500 otherwise) and its other
+        prompts are aborted."""
+        for rid in group.request_ids:
+            if self._groups.pop(rid, None) is not None:
+                self._forget_not_started(rid)
+                self.engine.abort_request(rid)
+        logger.warning("request %s failed: %s", out.request_id, out.error)
+        group.put(ErrorEvent(f"request {out.request_id} failed in the engine: {out.error}", 500))
+
+    # -- commands and delivery (loop thread) ------------------------------------------------------
 
     def _drain_commands(self) -> None:
         engine = self.engine
@@ -274,6 +366,9 @@ class AsyncEngine:
             group = self._groups.get(rid)
             if group is None:
                 continue  # aborted by its caller in the meantime
+            if out.finish_reason == "error":
+                self._fail_group(group, out)
+                continue
             self._observe(group, out, now)
             group.put(OutputEvent(group.request_ids.index(rid), out))
             if out.finished:
