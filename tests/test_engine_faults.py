@@ -169,6 +169,35 @@ def test_requests_already_finished_in_the_failing_step_keep_their_output(
     assert_clean(engine)
 
 
+def test_a_request_whose_final_output_was_lost_fails_and_the_queue_goes_on(
+    session: ModelSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "one" finishes in step 1, then building its output raises: no request of the step is
+    # live any more, and "queued" (waiting: one sequence at a time) must not pay for it
+    prompts = {"queued": random_token_ids(6, seed=19)}
+    want = fault_free_tokens(session, prompts, 3)
+    engine = make_engine(session, max_num_seqs=1)
+    real_make_output = engine_module.make_output
+
+    def make_output(req):
+        if req.request_id == "one" and req.error is None:
+            raise RuntimeError("no output")
+        return real_make_output(req)
+
+    monkeypatch.setattr(engine_module, "make_output", make_output)
+    engine.add_request(random_token_ids(6, seed=20), greedy(1), "one")
+    engine.add_request(prompts["queued"], greedy(3), "queued")
+    (out,) = engine.step()
+    assert (out.request_id, out.finish_reason, out.error) == (
+        "one",
+        "error",
+        "RuntimeError: no output",
+    )
+    finals = run(engine)
+    assert finals["queued"].token_ids == want["queued"]
+    assert_clean(engine)
+
+
 @pytest.mark.parametrize("fault_step", [1, 2])
 def test_every_sample_of_a_failed_n_request_gets_an_error(session, fault_step: int) -> None:
     # step 1 prefills the parent (and forks its siblings), step 2 decodes all three

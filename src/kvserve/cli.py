@@ -144,6 +144,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if on_text is not None and out.new_text:
                 on_text(out.new_text)
         assert out is not None and out.finished
+        if out.error is not None:  # the engine step it was in failed
+            print(f"error: {out.error}", file=sys.stderr)
+            return 1
         token_ids, text, finish, cached = (
             out.token_ids,
             out.text,

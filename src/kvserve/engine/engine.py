@@ -231,8 +231,8 @@ class LLMEngine:
     def _step(self, record: StepRecord) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        record.request_ids.extend(s.request_id for s in sched.scheduled)
         requests = self.scheduler.requests
+        record.requests.extend(requests[s.request_id] for s in sched.scheduled)
         t1 = time.perf_counter()
         logits = self.runner.execute(sched, requests)
         t2 = time.perf_counter()
@@ -249,7 +249,7 @@ class LLMEngine:
                 record.forked.append(request_id)
                 for child in self._fork(req):
                     logits[child.request_id] = row
-                    record.request_ids.append(child.request_id)
+                    record.requests.append(child)
         if not logits:
             return []
         reqs = [requests[rid] for rid in logits]

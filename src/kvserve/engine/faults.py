@@ -88,7 +88,7 @@ class FaultInjector:
 class StepRecord:
     """What one step has touched so far: enough to contain its failure."""
 
-    request_ids: list[str] = field(default_factory=list)  # scheduled, then siblings forked
+    requests: list[Request] = field(default_factory=list)  # scheduled, then siblings forked
     forked: list[str] = field(default_factory=list)  # n > 1 parents that forked in this step
     outputs: list[RequestOutput] = field(default_factory=list)  # built before it failed
 
@@ -102,20 +102,24 @@ def contain_step_failure(
 ) -> list[RequestOutput]:
     """Fail the step's requests, repair the state; the outputs the step still owes."""
     message = describe(error)
-    sched = engine.scheduler
-    failed = [sched.requests[r] for r in dict.fromkeys(record.request_ids) if r in sched.requests]
+    in_step = list({id(r): r for r in record.requests}.values())
     logger.error(
-        "engine step failed (%s): failing the %d requests in it", message, len(failed),
+        "engine step failed (%s): failing the %d requests in it", message, len(in_step),
         exc_info=error,
     )  # fmt: skip
     outputs = list(record.outputs)  # e.g. requests that finished normally before the raise
-    if not failed:  # it raised before (or while) scheduling: no step to blame but the state
+    if not in_step:  # it raised in schedule(): no step to blame, only the state
         return outputs + fail_all(engine, message)
+    finals = {o.request_id for o in outputs if o.finished}
     try:
-        held = [b for r in failed for b in list(engine.kv_manager.blocks_of(r.request_id))]
-        for req in failed:
-            if not req.status.finished:  # a sibling may have gone with its parent already
+        held = [b for r in in_step for b in list(engine.kv_manager.blocks_of(r.request_id))]
+        for req in in_step:
+            if not req.status.finished:
                 _finish_with_error(engine, req, record, message, outputs)
+            elif req.request_id not in finals and req.status is not RequestStatus.FINISHED_ERROR:
+                # it finished in this step, but the raise lost its final output: fail it too
+                req.status, req.error = RequestStatus.FINISHED_ERROR, message
+                outputs.append(make_output(req))  # type: ignore[arg-type]  # finished
         engine.kv_manager.pool.uncache(held)
         check_engine_state(engine)
     except Exception as broken:  # noqa: BLE001 - whatever is wrong, the reset repairs it
