@@ -277,7 +277,9 @@ class AsyncEngine:
         not drained yet (adds, aborts) stay queued and run after the restart."""
         message = f"the engine loop restarted after: {describe(error)}"
         groups = {id(g): g for g in self._groups.values()}
-        logger.error("%s; failing %d requests in flight", message, len(groups), exc_info=error)
+        logger.error(
+            "%s; failing %d request groups in flight", message, len(groups), exc_info=error
+        )
         for group in groups.values():
             group.put(ErrorEvent(message, 500))
         self._groups.clear()
