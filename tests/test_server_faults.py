@@ -36,7 +36,10 @@ def faulty_server(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def complete(http: httpx.Client, prompt: str, max_tokens: int) -> httpx.Response:
-    body = {"model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    body = {
+        "model": "tiny-chat", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "temperature": 0.0,
+    }  # fmt: skip
     return http.post("/v1/completions", json=body)
 
 
