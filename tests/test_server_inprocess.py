@@ -1,5 +1,6 @@
 """Server states a live process cannot be steered into on demand, tested in-process with
-Starlette's TestClient: still loading, and an engine loop that dies mid-stream."""
+Starlette's TestClient: still loading, and an engine loop that fails mid-stream, restarts, and
+dies once it has failed past its restart limit."""
 
 from __future__ import annotations
 
@@ -44,13 +45,16 @@ def live(chat_checkpoint: Path):
     state.served.engine.shutdown()
 
 
-def test_engine_death_is_sent_in_band_then_done_and_health_turns_503(live: ServerState) -> None:
+def test_a_loop_failure_is_sent_in_band_restarts_the_loop_and_past_its_limit_kills_it(
+    live: ServerState,
+) -> None:
+    # engine.step itself raising is outside step()'s own containment: the loop restarts
     engine = live.served.engine.engine
-    real_step, calls = engine.step, []
+    real_step, calls, always = engine.step, [], []
 
     def failing_step():
         calls.append(1)
-        if len(calls) > 4:
+        if len(calls) == 5 or always:
             raise RuntimeError("simulated device failure")
         return real_step()
 
@@ -63,12 +67,34 @@ def test_engine_death_is_sent_in_band_then_done_and_health_turns_503(live: Serve
         events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
-    assert "simulated device failure" in error["message"] and error["type"] == "server_error"
+    assert error["type"] == "server_error"
+    assert error["message"] == (
+        "the engine loop restarted after: RuntimeError: simulated device failure"
+    )
     assert all("choices" in json.loads(e) for e in events[:-2]) and len(events) > 3
+    # restarted: healthy, serving, nothing held
+    assert client.get("/health").status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert engine.kv_manager.pool.num_used_blocks == 0
+    # failing for good: restarts 2 and 3 (max_restarts 3 within the window), then it dies
+    always.append(True)
+    for _ in range(2):
+        r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["message"].startswith(
+            "the engine loop restarted after: RuntimeError"
+        )
+        assert client.get("/health").status_code == 200
+    r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == (
+        "the engine loop died: RuntimeError('simulated device failure')"
+    )
     health = client.get("/health")
     assert health.status_code == 503 and "simulated" in health.json()["error"]["message"]
     r = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    assert live.served.engine.num_restarts == 3
 
 
 def test_non_streaming_engine_error_is_a_500_in_openai_shape(live: ServerState) -> None:

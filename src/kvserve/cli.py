@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from kvserve.cli_args import (
     scheduler_config,
 )
 from kvserve.config import EngineConfig
+from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
 from kvserve.engine.request import RequestOutput
 from kvserve.server.config import ServerConfig
 from kvserve.server.tenants import parse_api_keys
@@ -177,6 +179,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if on_text is not None and out.new_text:
                 on_text(out.new_text)
         assert out is not None and out.finished
+        if out.error is not None:  # the engine step it was in failed
+            print(f"error: {out.error}", file=sys.stderr)
+            return 1
         token_ids, text, finish, cached = (
             out.token_ids,
             out.text,
@@ -279,7 +284,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         health_stall_timeout_s=args.health_stall_timeout_s,
         preprocess_threads=args.preprocess_threads,
     )
-    run_server(engine, server)
+    # tests of fault containment make the model raise on chosen steps; read here only
+    fault_steps = os.environ.get(FAULT_STEPS_ENV, "")
+    faults = FaultInjector.parse(fault_steps)
+    if faults is not None:
+        logging.getLogger(__name__).warning(
+            "%s=%s: the model will raise on those model steps", FAULT_STEPS_ENV, fault_steps
+        )
+    run_server(engine, server, faults)
     return 0
 
 

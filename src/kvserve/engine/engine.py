@@ -1,7 +1,7 @@
 """LLMEngine: add_request / step / abort_request / has_unfinished_requests.
 
 ``step()`` = schedule -> run the model -> sample the whole batch at once -> update requests,
-free what finished.
+free what finished. A step that raises fails only its own requests (engine/faults.py).
 One engine owns one model, one paged KV cache and one scheduler; nothing is global, so a
 process may hold several.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.compiled_steps import compile_model
+from kvserve.engine.faults import FaultInjector, StepRecord, contain_step_failure, fail_all
 from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.limits import RequestLimits
 from kvserve.engine.model_runner import ModelRunner
@@ -60,6 +61,7 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         eos_token_ids: Sequence[int] = (),
         enforce_eager: bool = False,
+        faults: FaultInjector | None = None,
     ) -> None:
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -91,12 +93,16 @@ class LLMEngine:
         )
         self.compile_result = compile_model(model, enforce_eager)
         self.fused_decode = FusedDecode.build(model, self.storage)
-        self.runner = ModelRunner(model, self.storage, self.compile_result.steps, self.fused_decode)
+        self.runner = ModelRunner(
+            model, self.storage, self.compile_result.steps, self.fused_decode, faults
+        )
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.scheduler_time_s = 0.0
         self.model_time_s = 0.0
+        self.num_failed_steps = 0  # steps that raised (their requests failed)
+        self.consecutive_step_failures = 0  # since the last step that did not raise
         logger.info(
             "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)",
             num_blocks,
@@ -119,6 +125,7 @@ class LLMEngine:
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         enforce_eager: bool = False,
+        faults: FaultInjector | None = None,
     ) -> LLMEngine:
         return cls(
             session.model,
@@ -128,6 +135,7 @@ class LLMEngine:
             scheduler,
             session.eos_token_ids,
             enforce_eager,
+            faults,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -215,9 +223,30 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One step; its outputs. An exception inside it (not KeyboardInterrupt / SystemExit)
+        fails only the requests that were in it (finish_reason "error", ``error`` set), after
+        which the KV state is repaired and checked (engine/faults.py); the rest go on."""
+        record = StepRecord()
+        try:
+            outputs = self._step(record)
+        except Exception as e:  # noqa: BLE001 - contained: see engine/faults.py
+            self.num_failed_steps += 1
+            self.consecutive_step_failures += 1
+            return contain_step_failure(self, record, e)
+        self.consecutive_step_failures = 0
+        return outputs
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Fail every request (finish_reason "error") and rebuild the KV bookkeeping and the
+        prefix cache from scratch: for a caller that gave up on the current state."""
+        self.consecutive_step_failures = 0
+        return fail_all(self, message)
+
+    def _step(self, record: StepRecord) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         requests = self.scheduler.requests
+        record.requests.extend(requests[s.request_id] for s in sched.scheduled)
         t1 = time.perf_counter()
         logits = self.runner.execute(sched, requests)
         t2 = time.perf_counter()
@@ -231,8 +260,10 @@ class LLMEngine:
                 # the prompt is in the cache: its n - 1 siblings share it and sample from
                 # the same logits, each with its own generator
                 req.forked = True
+                record.forked.append(request_id)
                 for child in self._fork(req):
                     logits[child.request_id] = row
+                    record.requests.append(child)
         if not logits:
             return []
         reqs = [requests[rid] for rid in logits]
@@ -243,7 +274,7 @@ class LLMEngine:
             [r.generator for r in reqs],
             reqs,  # the token histories, read only by rows with penalties
         )
-        outputs = []
+        outputs = record.outputs  # what a failure later in the step still hands out
         for req, token, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
             if req.first_token_time is None:
                 req.first_token_time = now

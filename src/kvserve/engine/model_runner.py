@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.engine.faults import FaultInjector
 from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -25,6 +26,7 @@ class ModelRunner:
         storage: KVCacheStorage,
         steps: LayerSteps = EAGER_STEPS,
         fused: FusedDecode | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         self.model = model
         self.steps = steps  # the layer halves: eager or compiled (engine/compiled_steps.py)
@@ -33,6 +35,7 @@ class ModelRunner:
         self.storage = storage
         self.block_size = storage.spec.block_size
         self.device = model.device
+        self.faults = faults  # tests: make chosen model steps raise (engine/faults.py)
 
     def build_metadata(
         self, order: list[ScheduledRequest], requests: dict[str, Request]
@@ -97,6 +100,8 @@ class ModelRunner:
             key=lambda s: (s.num_new_tokens != 1, s.num_computed_tokens + s.num_new_tokens),
         )
         input_ids, positions, md = self.build_metadata(order, requests)
+        if self.faults is not None:
+            self.faults.before_model()
         if self.fused is not None and self.fused.fits(md):
             hidden = self.fused(input_ids, positions, md, self.storage)
         else:

@@ -106,4 +106,5 @@ def make_output(req: Request) -> RequestOutput | None:
         kv_projections=req.kv_projections,
         parent_request_id=req.parent_id,
         index=req.sample_index,
+        error=req.error,
     )

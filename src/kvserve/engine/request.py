@@ -19,6 +19,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    # a step it was in raised (engine/faults.py): the request is dropped, ``error`` says why
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -26,6 +28,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -61,6 +64,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    error: str | None = None  # FINISHED_ERROR: the failure that ended it
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -101,7 +105,7 @@ class RequestOutput:
     new_text: str  # stream-safe: text that might begin a stop string is held back
     new_logprobs: list[dict[int, float]] | None  # one per new token; None: not requested
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     token_ids: list[int] | None  # all output tokens so far; None: a non-final DELTA output
     text: str | None  # all output text so far; None: a non-final DELTA output
     logprobs: list[dict[int, float]] | None  # per output token; None: not requested, or as text
@@ -113,3 +117,4 @@ class RequestOutput:
     kv_projections: int = 0
     parent_request_id: str | None = None  # n > 1: the id the caller gave (samples share it)
     index: int = 0  # n > 1: which sample of that request
+    error: str | None = None  # finish_reason "error": the failure, e.g. "RuntimeError: ..."

@@ -150,6 +150,19 @@ class BlockPool:
                     self._evict(block)
                 self.free_queue.append(block)
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> int:
+        """Take the free ones of these blocks out of the prefix cache (after a failed step their
+        K/V are not to be trusted); blocks still held keep their hash. Returns how many lost it.
+        Not counted as evictions."""
+        dropped = 0
+        for block in blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+                dropped += 1
+        return dropped
+
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_cnt == 0:

@@ -13,6 +13,7 @@ Calls and what the caller does next (the scheduler is the only caller):
 - ``free(req)``: drop all its blocks, tail first (tail evicted before head).
 - ``fork(parent, child)``: the child shares all of the parent's blocks (n > 1 samples of one
   prompt); ``prepare_write`` later gives a writer its own copy of a shared partial block.
+- ``reset()``: after a failure that broke the bookkeeping (engine/faults.py), start over.
 """
 
 from __future__ import annotations
@@ -157,6 +158,14 @@ class KVCacheManager:
         idx = req.num_computed_tokens // self.block_size
         blocks = self.req_to_blocks.get(req.request_id, [])
         return int(idx < len(blocks) and blocks[idx].ref_cnt > 1)
+
+    def reset(self) -> None:
+        """Forget every block table and the whole prefix cache: a fresh pool of the same size,
+        for when a failure left the bookkeeping inconsistent. The storage needs nothing: no
+        block is read before it is written again. The prefix-cache counters keep counting."""
+        self.pool = BlockPool(self.pool.num_blocks, self.enable_prefix_caching)
+        self.req_to_blocks.clear()
+        self.num_cached_blocks.clear()
 
     @property
     def usage(self) -> float:

@@ -23,8 +23,13 @@ sequence unread (a client that stopped reading its stream) is aborted with a log
 Health: ``health()`` is DEAD once the loop has stopped, WEDGED while work waits and no loop
 iteration has finished for ``health_stall_timeout_s``.
 
-If the loop dies, every open stream gets an ``ErrorEvent``, new submissions raise
-``EngineDeadError`` and ``alive`` turns False (the server's /health then answers 503).
+Faults: a step that raises fails only its own requests (engine/faults.py); their groups get an
+``ErrorEvent`` naming the failure and the rest go on. An exception that escapes the loop, or
+``max_consecutive_step_failures`` failed steps in a row, restarts it: every request in flight
+gets an ``ErrorEvent``, the engine's KV state is rebuilt, and the loop serves again. Only a loop
+that restarts more than ``max_restarts`` times within ``restart_window_s`` (or cannot rebuild)
+dies: new submissions then raise ``EngineDeadError`` and ``alive`` turns False (the server's
+/health answers 503).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from kvserve.engine.engine import EngineStats, LLMEngine
+from kvserve.engine.faults import describe
 from kvserve.engine.request import Request, RequestOutput
 from kvserve.server.engine_log import log_finished, log_stats, observe
 from kvserve.server.engine_records import (
@@ -75,6 +81,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+class RepeatedStepFailure(RuntimeError):
+    """Engine steps keep failing: the loop restarts to rebuild the engine's state."""
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -84,6 +94,9 @@ class AsyncEngine:
         log_interval_s: float = 10.0,
         max_stream_buffer_events: int = 1024,
         health_stall_timeout_s: float = 30.0,
+        max_consecutive_step_failures: int = 3,
+        max_restarts: int = 3,
+        restart_window_s: float = 60.0,
     ) -> None:
         if max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
@@ -93,6 +106,19 @@ class AsyncEngine:
             )
         if not health_stall_timeout_s > 0:
             raise ValueError(f"health_stall_timeout_s must be > 0, got {health_stall_timeout_s}")
+        if max_consecutive_step_failures < 1:
+            raise ValueError(
+                f"max_consecutive_step_failures must be >= 1, got {max_consecutive_step_failures}"
+            )
+        if max_restarts < 0 or restart_window_s <= 0:
+            raise ValueError(
+                f"max_restarts must be >= 0 and restart_window_s > 0, got {max_restarts} and "
+                f"{restart_window_s}"
+            )
+        self.max_consecutive_step_failures = max_consecutive_step_failures
+        self.max_restarts = max_restarts  # within restart_window_s; one more and it dies
+        self.restart_window_s = restart_window_s
+        self.num_restarts = 0
         self.engine = engine
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
@@ -198,35 +224,98 @@ class AsyncEngine:
         self._wake.set()
 
     # -- loop thread -------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _serve(self) -> None:
         engine = self.engine
         last_log = time.monotonic()
         busy_since_log = False
-        try:
-            while not self._stop.is_set():
-                self._drain_commands()
-                self._feed()
-                self._snapshot()
-                if engine.has_unfinished_requests():
-                    busy_since_log = True
-                    outputs = engine.step()
-                    # before delivering: a client that sees this token may submit at once,
-                    # and must not find this request still counted as waiting
-                    self._note_started()
-                    self._deliver(outputs)
-                else:
-                    self._wake.wait(timeout=min(self.log_interval_s, 1.0))
-                    self._wake.clear()
-                self._snapshot()
-                now = time.monotonic()
-                if busy_since_log and now - last_log >= self.log_interval_s:
-                    log_stats(self.stats())
-                    last_log, busy_since_log = now, engine.has_unfinished_requests()
-        except BaseException as e:  # noqa: BLE001 - whatever killed the loop goes to every stream
-            self.error = e
-            logger.exception("the engine loop died")
-            self._fail_all(ErrorEvent(f"the engine loop died: {e!r}", 500))
+        while not self._stop.is_set():
+            self._drain_commands()
+            self._feed()
+            self._snapshot()
+            if engine.has_unfinished_requests():
+                busy_since_log = True
+                outputs = engine.step()
+                # before delivering: a client that sees this token may submit at once,
+                # and must not find this request still counted as waiting
+                self._note_started()
+                self._deliver(outputs)
+                self._check_step_failures()
+            else:
+                self._wake.wait(timeout=min(self.log_interval_s, 1.0))
+                self._wake.clear()
+            self._snapshot()
+            now = time.monotonic()
+            if busy_since_log and now - last_log >= self.log_interval_s:
+                log_stats(self.stats())
+                last_log, busy_since_log = now, engine.has_unfinished_requests()
 
+    # -- faults (loop thread) ------------------------------------------------------------------
+    def _run(self) -> None:
+        """Serve; restart on an exception that escaped the engine's containment or on steps
+        failing in a row; die past ``max_restarts`` restarts within ``restart_window_s``, on a
+        restart that fails, or on KeyboardInterrupt / SystemExit."""
+        restarts: deque[float] = deque()  # monotonic times of the recent restarts
+        while True:
+            try:
+                self._serve()
+                return  # shut down
+            except Exception as e:  # noqa: BLE001 - every failure restarts or kills the loop
+                now = time.monotonic()
+                while restarts and now - restarts[0] > self.restart_window_s:
+                    restarts.popleft()
+                if len(restarts) >= self.max_restarts:
+                    logger.error(
+                        "the engine loop failed %d times within %.0f s; giving up",
+                        len(restarts) + 1, self.restart_window_s,
+                    )  # fmt: skip
+                    self._die(e)
+                    return
+                restarts.append(now)
+                try:
+                    self._restart(e)
+                except Exception as broken:  # noqa: BLE001 - a loop that cannot restart dies
+                    self._die(broken)
+                    return
+            except BaseException as e:  # noqa: BLE001 - whatever killed the loop goes to every stream
+                self._die(e)
+                return
+
+    def _check_step_failures(self) -> None:
+        failures = self.engine.consecutive_step_failures
+        if failures >= self.max_consecutive_step_failures:
+            raise RepeatedStepFailure(f"{failures} engine steps in a row failed")
+
+    def _restart(self, error: Exception) -> None:
+        """Fail every group in flight (fed or waiting here), rebuild the engine's KV state,
+        serve again. Commands not drained yet (adds, aborts) stay queued and run after."""
+        message = f"the engine loop restarted after: {describe(error)}"
+        groups = {id(g): g for g in [*self._groups.values(), *self._pending] if not g.done}
+        logger.error(
+            "%s; failing %d request groups in flight", message, len(groups), exc_info=error
+        )
+        for group in groups.values():
+            # the engine's own requests go in fail_all below: its state may be what broke
+            self._abort_group(group, "the engine loop restarted", in_engine=False)
+            group.put(ErrorEvent(message, 500))
+        self._pending.clear()
+        self.engine.fail_all(message)  # their outputs are not needed: the groups have the error
+        self.num_restarts += 1
+        self._snapshot()
+
+    def _die(self, e: BaseException) -> None:
+        self.error = e
+        logger.error("the engine loop died", exc_info=e)
+        self._fail_all(ErrorEvent(f"the engine loop died: {e!r}", 500))
+
+    def _fail_group(self, group: RequestGroup, out: RequestOutput) -> None:
+        """A sample failed in the engine (its step raised): the whole group ends with an
+        ErrorEvent naming the failure (in-band on a stream, a JSON 500 otherwise) and its other
+        prompts are aborted."""
+        logger.warning("request %s failed: %s", out.request_id, out.error)
+        self._abort_group(group, f"request {out.request_id} failed in the engine")
+        group.put(ErrorEvent(f"request {out.request_id} failed in the engine: {out.error}", 500))
+
+    # -- commands and delivery (loop thread) -------------------------------------------------
     def _fail_all(self, event: ErrorEvent) -> None:
         """Send ``event`` to every group the loop knows of, and to adds still in the queue
         (they raced the death and would otherwise wait forever)."""
@@ -291,8 +380,9 @@ class AsyncEngine:
             if group.num_fed < len(group.prompts):
                 self._pending.append(group)
 
-    def _abort_group(self, group: RequestGroup, reason: str) -> None:
-        """Abort every unfinished prompt of the group: O(its prompts), never O(all)."""
+    def _abort_group(self, group: RequestGroup, reason: str, in_engine: bool = True) -> None:
+        """Abort every unfinished prompt of the group: O(its prompts), never O(all).
+        ``in_engine=False`` leaves the engine's requests to the caller (a restart)."""
         if group.done:
             return
         group.done = True
@@ -302,7 +392,8 @@ class AsyncEngine:
         unfed = group.unfed_sequences()
         with self._lock:
             self._num_queued -= unfed
-        self.engine.abort_requests(live)
+        if in_engine:
+            self.engine.abort_requests(live)
         logger.info("request %s aborted (%s)", group.group_id, reason)
 
     def _forget_not_started(self, rid: str) -> None:
@@ -324,6 +415,9 @@ class AsyncEngine:
             group = self._groups.get(rid)
             if group is None:
                 continue  # aborted by its caller in the meantime
+            if out.finish_reason == "error":
+                self._fail_group(group, out)
+                continue
             if self.metrics is not None:
                 observe(self.metrics, group.last_token_at, out, now)
             group.put(OutputEvent(group.index[rid], out))

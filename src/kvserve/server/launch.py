@@ -16,6 +16,7 @@ import uvicorn
 from kvserve.config import EngineConfig
 from kvserve.default_model import default_model_path
 from kvserve.engine.engine import LLMEngine
+from kvserve.engine.faults import FaultInjector
 from kvserve.server.app import build_app, new_state
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.config import ServerConfig
@@ -37,8 +38,10 @@ def load_served(
     server_config: ServerConfig,
     model_name: str,
     metrics: ServerMetrics,
+    faults: FaultInjector | None = None,
 ) -> Served:
-    """Load the model, build the engine and start its loop thread."""
+    """Load the model, build the engine and start its loop thread. ``faults``: tests only,
+    model steps that raise (engine/faults.py)."""
     session = ModelSession.open(
         engine_config.model,
         engine_config.dtype,
@@ -46,7 +49,11 @@ def load_served(
         quantization=engine_config.quantization,
     )
     engine = LLMEngine.from_session(
-        session, engine_config.cache, engine_config.scheduler, engine_config.enforce_eager
+        session,
+        engine_config.cache,
+        engine_config.scheduler,
+        engine_config.enforce_eager,
+        faults,
     )
     loop = AsyncEngine(
         engine,
@@ -69,7 +76,9 @@ def load_served(
     )
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_server(
+    engine_config: EngineConfig, server_config: ServerConfig, faults: FaultInjector | None = None
+) -> None:
     name = server_config.served_model_name or default_model_name(engine_config.model)
     state = new_state(server_config, name)
     app = build_app(state)
@@ -86,7 +95,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
 
     def load() -> None:
         try:
-            state.served = load_served(engine_config, server_config, name, state.metrics)
+            state.served = load_served(engine_config, server_config, name, state.metrics, faults)
             logger.info("serving %s at http://%s:%d", name, server_config.host, server_config.port)
         except BaseException as e:  # noqa: BLE001 - reported by run_server after the shutdown
             failure.append(e)
