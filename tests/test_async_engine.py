@@ -261,7 +261,8 @@ def test_health_is_wedged_during_a_stalled_step_and_dead_after_a_crash(
 ) -> None:
     engine = make_engine(session)
     held = HeldStep(engine)
-    loop = AsyncEngine(engine, health_stall_timeout_s=0.2)
+    # max_restarts=0: the first escaped exception kills the loop (restarts: test_server_faults)
+    loop = AsyncEngine(engine, health_stall_timeout_s=0.2, max_restarts=0)
     loop.start()
 
     async def main() -> None:

@@ -282,7 +282,7 @@ BAD_VALUES = [
     (["--seed", "-1"], "seed"),
     (["--logprobs", "21"], "logprobs"),
     (["--stop", ""], "stop"),
-    (["--max-tokens", "9000"], "exceeds"),
+    (["--max-tokens", "9000"], "maximum context length is 8192 tokens, but 9002"),
 ]
 
 

@@ -299,3 +299,37 @@ def test_health_is_503_while_the_engine_loop_is_wedged(
     finally:
         release.set()
         state.served.close()
+
+
+def test_a_big_token_id_body_is_parsed_off_the_event_loop(server: ServerProcess) -> None:
+    # 200k prompts of token ids, 2 MiB: parsing and validating it holds the GIL for about a
+    # second, so it goes to the body-check process first and the loop never parses it
+    body = {"prompt": [[1, 2, 3]] * 200_000, "max_tokens": 1}
+    error = error_of(meanwhile(server, post(server, body)), 400)
+    assert error["message"] == (
+        "this request has 200000 prompts = 200000 sequences; the limit is 64 per request "
+        "(--max-prompts-per-request)"
+    )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "hi", "max_tokens": "5"},  # a wrong type
+        {"prompt": "hi", "stop": ["x"] * 9},  # over --max-stop-strings
+        {"prompt": [[1, 2]] * 65},  # over --max-prompts-per-request
+        {"max_tokens": 5},  # missing prompt
+    ],
+    ids=["type", "stops", "prompts", "missing"],
+)
+def test_the_body_check_refuses_as_the_route_does(server: ServerProcess, body: dict) -> None:
+    # the same body, small (parsed by the route) and padded past 64 KiB (checked in the
+    # side process first): the same refusal, word for word
+    small = json.dumps(body).encode()
+    padded = json.dumps({**body, "user": "x" * (80 << 10)}).encode()
+    refusals = [error_of(post(server, raw)(), 400) for raw in (small, padded)]
+    assert refusals[0] == refusals[1]
+    bad_json = padded[:-1]
+    assert error_of(post(server, bad_json)(), 400)["message"] == (
+        "the request body is not valid JSON"
+    )

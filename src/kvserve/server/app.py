@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.server.body_check import BodyCheckMiddleware, new_checker_pool
 from kvserve.server.chat import chat_prompt, create_chat_completion
 from kvserve.server.completions import create_completion
 from kvserve.server.config import ServerConfig
@@ -42,6 +44,8 @@ class ServerState:
     metrics: ServerMetrics
     served: Served | None = None  # None while loading
     started: int = field(default_factory=lambda: int(time.time()))
+    # big generation bodies are parsed here first (body_check.py); its worker starts on use
+    body_check_pool: Executor = field(default_factory=new_checker_pool)
 
 
 def new_state(config: ServerConfig, model_name: str) -> ServerState:
@@ -69,7 +73,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kvserve", version=VERSION, responses=_ERRORS)
     app.state.kvserve = state
     install_error_handlers(app)
-    # added last = outermost: the key is checked before the body is read
+    # added last = outermost: the key is checked before the body is read, the body's size
+    # before it is parsed
+    app.add_middleware(BodyCheckMiddleware, config=state.config, pool=state.body_check_pool)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
     if keys := state.config.tenant_keys:
         app.add_middleware(APIKeyMiddleware, keys=keys)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,8 +62,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def validation_message(errors: Sequence[Mapping]) -> tuple[str, str | None]:
+    """pydantic's errors (FastAPI's, or ``body_check``'s) as one message and the param."""
     if not errors:
         return "invalid request", None
     first = errors[0]
@@ -90,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc.errors())
         return bad_request(message, param, "invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)

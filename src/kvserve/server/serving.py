@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from kvserve.engine.limits import RequestLimits, RequestRejected
 from kvserve.engine.request import RequestOutput
 from kvserve.sampling import RequestOutputKind, SamplingParams
+from kvserve.server import bounds
 from kvserve.server.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -109,42 +110,13 @@ class Served:
 
     # -- limits and parameters -----------------------------------------------------------
     def check_sequences(self, num_prompts: int, n: int) -> None:
-        """Before any tokenizing: the request's prompts, counted with their n samples."""
-        limit = self.bounds.max_prompts_per_request
-        if num_prompts * n > limit:
-            what = f"{num_prompts} prompts" if n == 1 else f"{num_prompts} prompts x n={n}"
-            raise bad_request(
-                f"this request has {what} = {num_prompts * n} sequences; the limit is {limit} "
-                "per request (--max-prompts-per-request)",
-                "prompt" if n == 1 else "n",
-                "too_many_prompts",
-            )
+        bounds.check_sequences(self.bounds, num_prompts, n)
 
     def check_prompt_tokens(self, total: int) -> None:
-        limit = self.bounds.max_prompt_tokens_per_request
-        if total > limit:
-            raise bad_request(
-                f"this request's prompts are {total} tokens together; the limit is {limit} "
-                "per request (--max-prompt-tokens-per-request)",
-                "prompt",
-                "too_many_prompt_tokens",
-            )
+        bounds.check_prompt_tokens(self.bounds, total)
 
     def check_stops(self, stop: Sequence[str]) -> None:
-        """Stop strings are scanned at every token of every sample: bound that work."""
-        count, chars = len(stop), sum(len(s) for s in stop)
-        if count > self.bounds.max_stop_strings:
-            raise bad_request(
-                f"{count} stop strings were sent; the limit is {self.bounds.max_stop_strings} "
-                "(--max-stop-strings)",
-                "stop",
-            )
-        if chars > self.bounds.max_stop_chars:
-            raise bad_request(
-                f"the stop strings are {chars} characters together; the limit is "
-                f"{self.bounds.max_stop_chars} (--max-stop-chars)",
-                "stop",
-            )
+        bounds.check_stops(self.bounds, stop)
 
     def resolve_max_tokens(
         self,

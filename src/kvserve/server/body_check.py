@@ -1,0 +1,126 @@
+"""Big generation bodies are checked in a side process before the event loop parses them.
+
+Parsing JSON and validating it with pydantic hold the GIL: a 2 MiB body of token ids takes
+about a second, during which no other client (not even /health) is answered, and a worker
+thread would not help. So a body of at least ``min_bytes`` to /v1/completions or
+/v1/chat/completions first goes to a one-process pool, which parses and validates it and
+applies the per-request bounds (``bounds.py``). A body that fails there is refused with the
+400 the route would have given, and the event loop never parses it; one that passes is
+replayed to the route, which parses it again -- now bounded by the same limits (at most
+``max_prompts_per_request`` prompts and ``max_prompt_tokens_per_request`` token ids).
+Small bodies skip the round trip: parsing them costs less than it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+from concurrent.futures import Executor, ProcessPoolExecutor
+
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.server import bounds
+from kvserve.server.config import ServerConfig
+from kvserve.server.errors import APIError, validation_message
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+MIN_CHECKED_BYTES = 64 << 10  # below this, parsing on the loop costs well under a millisecond
+_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+Refusal = tuple[int, str, str | None, str | None]  # status, message, param, code
+
+
+def precheck(path: str, raw: bytes, config: ServerConfig) -> Refusal | None:
+    """In the side process: the refusal this body gets, or None to hand it to the route.
+
+    The same steps as FastAPI's parse and the route's first checks, in their order: JSON,
+    the pydantic model, then the bounds that need no tokenizer."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return 400, "the request body is not valid JSON", None, "invalid_value"
+    try:
+        req = _MODELS[path].model_validate(data)
+    except ValidationError as e:
+        errors = [
+            {**err, "loc": ("body", *err["loc"])}
+            for err in e.errors(include_url=False, include_context=False)
+        ]
+        message, param = validation_message(errors)
+        return 400, message, param, "invalid_value"
+    try:
+        if isinstance(req, CompletionRequest):
+            p = req.prompt
+            batch = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+            bounds.check_sequences(config, len(batch), req.n)
+            tokens = sum(len(item) for item in batch if isinstance(item, list))
+            bounds.check_prompt_tokens(config, tokens)
+        else:
+            bounds.check_sequences(config, 1, req.n)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        bounds.check_stops(config, stop)
+    except APIError as e:
+        return e.status, e.message, e.param, e.code
+    return None
+
+
+def new_checker_pool() -> Executor:
+    """One worker, started by spawn (the server process has threads; fork would copy their
+    locks), on first use."""
+    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+
+class BodyCheckMiddleware:
+    """Pure ASGI: big generation bodies through ``precheck`` in ``pool`` first."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: ServerConfig,
+        pool: Executor,
+        min_bytes: int = MIN_CHECKED_BYTES,
+    ) -> None:
+        self.app = app
+        self.config = config
+        self.pool = pool
+        self.min_bytes = min_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] != "POST"
+            or scope["path"] not in _MODELS
+            or b"json" not in dict(scope["headers"]).get(b"content-type", b"")
+        ):
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+        while True:  # the body limit (an outer middleware) keeps this bounded
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending it all
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        if len(raw) >= self.min_bytes:
+            loop = asyncio.get_running_loop()
+            refusal = await loop.run_in_executor(
+                self.pool, precheck, scope["path"], raw, self.config
+            )
+            if refusal is not None:
+                status, text, param, code = refusal
+                return await APIError(status, text, param, code).response()(scope, receive, send)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
