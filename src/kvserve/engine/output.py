@@ -106,4 +106,7 @@ def make_output(req: Request) -> RequestOutput | None:
         kv_projections=req.kv_projections,
         parent_request_id=req.parent_id,
         index=req.sample_index,
+        # complete once a token was sampled, and never changed again: shared, not copied
+        prompt_logprobs=req.prompt_logprobs,
+        prompt_token_ranks=req.prompt_token_ranks,
     )
