@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from kvserve.engine.request import RequestOutput
 from kvserve.server.async_engine import PromptSpec, RequestStream
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.prompt_logprobs import vllm_prompt_logprobs
 from kvserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -87,13 +88,17 @@ async def create_chat_completion(
         raise bad_request("tools are not supported by kvserve", "tools")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
     ids = chat_prompt(served, req.messages, req.add_generation_prompt)
     requested, param = req.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = req.max_tokens, "max_tokens"
     max_tokens = served.resolve_max_tokens(requested, len(ids), None, param, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = served.sampling_params(req, max_tokens, k)
+    params = served.sampling_params(req, max_tokens, k, req.prompt_logprobs)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = served.submit([PromptSpec(ids, params)], req.cache_salt, rid)
@@ -122,6 +127,9 @@ async def create_chat_completion(
         model=served.model_name,
         choices=choices,
         usage=usage([len(ids)], outs, cached_tokens(outs)),
+        prompt_logprobs=None
+        if req.prompt_logprobs is None
+        else vllm_prompt_logprobs(served, finals[(0, 0)], req.prompt_logprobs),
     )
     return JSONResponse(body.model_dump())
 

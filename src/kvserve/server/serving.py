@@ -79,6 +79,12 @@ class Served:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_texts(self, token_ids: Sequence[int]) -> str:
+        """The text of a token-id prompt, special tokens included (echo shows them)."""
+        if self.tokenizer is None:
+            return "".join(self.token_text(t) for t in token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     # -- limits and parameters -----------------------------------------------------------
     def resolve_max_tokens(
         self,
@@ -119,7 +125,11 @@ class Served:
         return requested
 
     def sampling_params(
-        self, req: _SamplingRequest, max_tokens: int, logprobs: int | None
+        self,
+        req: _SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name) not in (None, 0, 0.0):
@@ -145,7 +155,11 @@ class Served:
                 fields[name] = value
         try:
             return SamplingParams(
-                **fields, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs
+                **fields,
+                stop=tuple(stop),
+                stop_token_ids=tuple(stop_ids),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except (ValueError, TypeError) as e:  # the protocol's ranges should have caught it
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
