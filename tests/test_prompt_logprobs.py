@@ -9,11 +9,9 @@ import pytest
 import torch
 from conftest import make_hf_checkpoint, random_token_ids
 
-from kvserve.engine.llm import LLM
-from kvserve.engine.request import RequestOutput
+from kvserve import LLM, RequestOutput, SamplingParams  # as vLLM users import them
 from kvserve.engine.scheduler import SchedulerOutput
 from kvserve.reference import full_logits
-from kvserve.sampling import SamplingParams
 from kvserve.session import ModelSession
 
 BLOCK = 4
