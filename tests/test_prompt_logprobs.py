@@ -128,3 +128,17 @@ def test_prompt_logprobs_zero_gives_the_token_alone(session: ModelSession) -> No
 def test_prompt_logprobs_out_of_range_is_refused(bad) -> None:
     with pytest.raises((ValueError, TypeError), match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_mixed_batch_only_asking_requests_get_entries(session: ModelSession) -> None:
+    # prefill chunks, decodes and prompt-logprob chunks in the same steps
+    prompts = [random_token_ids(n, seed=20 + n) for n in (23, 9, 17)]
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    asking = params(max_tokens=4)
+    llm = make_llm(session, max_num_batched_tokens=12, enable_prefix_caching=False)
+    outs = llm.generate(prompts, [asking, plain, asking], use_tqdm=False)
+    baseline = llm.generate(prompts, plain, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in baseline]  # sampling unchanged
+    assert outs[1].prompt_logprobs is None and outs[1].prompt_token_ranks is None
+    assert_matches_reference(session, prompts[0], outs[0])
+    assert_matches_reference(session, prompts[2], outs[2])
