@@ -1,9 +1,10 @@
 """lm-evaluation-harness runs against a real `kvserve serve` unchanged: ``lm_eval --model
 local-completions`` (token-id prompts, ``echo: true, logprobs: 1, max_tokens: 1``, the
-remote tokenizer over /tokenizer_info, /tokenize and /detokenize) on a local loglikelihood
-task (a task YAML over a jsonl file; nothing is downloaded). The loglikelihoods, greedy flags
-and perplexity lm-eval reports must equal a full no-cache float32 forward of the same
-checkpoint (``kvserve.reference.full_logits``) over the same tokens.
+remote tokenizer over /tokenizer_info, /tokenize and /detokenize) on two local tasks, a
+loglikelihood one and a multiple-choice one (task YAMLs over jsonl files; nothing is
+downloaded). The loglikelihoods, greedy flags, perplexity and accuracies lm-eval reports
+must equal a full no-cache float32 forward of the same checkpoint
+(``kvserve.reference.full_logits``) over the same tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from kvserve.session import ModelSession
 pytest.importorskip("lm_eval")
 
 TASK = "kvserve_local_loglikelihood"
+MC_TASK = "kvserve_local_multiple_choice"
+MC_DOCS = [
+    {"question": "The sky is", "choices": ["blue", "green", "loud"], "answer": 0},
+    {"question": "Two plus two is", "choices": ["three", "four"], "answer": 1},
+    {"question": "Cats like to", "choices": ["sleep", "fly", "swim", "code"], "answer": 0},
+]
 DOCS = [
     {"context": "The capital of France is", "continuation": " Paris"},
     {"context": "One, two, three,", "continuation": " four, five"},
@@ -73,6 +80,25 @@ metric_list:
     higher_is_better: true
 """
     )
+    mc_data = directory / "mc.jsonl"
+    mc_data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    (directory / f"{MC_TASK}.yaml").write_text(
+        f"""task: {MC_TASK}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {mc_data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: choices
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+    )
 
 
 def reference_loglikelihood(session: ModelSession, context: str, continuation: str):
@@ -103,7 +129,7 @@ def f32_server(chat_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     proc.stop()
 
 
-def test_lm_eval_local_completions_loglikelihood(f32_server, chat_checkpoint, tmp_path) -> None:
+def test_lm_eval_local_completions_tasks(f32_server, chat_checkpoint, tmp_path) -> None:
     session = ModelSession.open(chat_checkpoint, "float32", "cpu")
     docs = [*DOCS, greedy_doc(session)]
     tasks = tmp_path / "tasks"
@@ -121,7 +147,14 @@ def test_lm_eval_local_completions_loglikelihood(f32_server, chat_checkpoint, tm
         ]
     )
     argv = [sys.executable, "-m", "lm_eval", "--model", "local-completions"]
-    argv += ["--model_args", model_args, "--tasks", TASK, "--include_path", str(tasks)]
+    argv += [
+        "--model_args",
+        model_args,
+        "--tasks",
+        f"{TASK},{MC_TASK}",
+        "--include_path",
+        str(tasks),
+    ]
     argv += ["--batch_size", "2", "--log_samples", "--output_path", str(out)]
     env = {
         **os.environ,
@@ -147,9 +180,25 @@ def test_lm_eval_local_completions_loglikelihood(f32_server, chat_checkpoint, tm
         greedies.append(greedy)
     assert greedies[-1] is True and greedies.count(True) < len(greedies)
 
+    # multiple choice: one loglikelihood per choice, the continuation " " + choice
+    (mc_file,) = out.rglob(f"samples_{MC_TASK}_*.jsonl")
+    mc_samples = [json.loads(line) for line in mc_file.read_text().splitlines()]
+    assert sorted(s["doc_id"] for s in mc_samples) == list(range(len(MC_DOCS)))
+    correct = []
+    for s in mc_samples:
+        doc = MC_DOCS[s["doc_id"]]
+        expected = [
+            reference_loglikelihood(session, doc["question"], " " + c)[0] for c in doc["choices"]
+        ]
+        got = [float(r[0][0]) for r in s["resps"]]
+        assert got == pytest.approx(expected, abs=1e-3), doc
+        correct.append(max(range(len(expected)), key=expected.__getitem__) == doc["answer"])
+
     (results_file,) = out.rglob("results_*.json")
-    metrics = json.loads(results_file.read_text())["results"][TASK]
+    results = json.loads(results_file.read_text())["results"]
+    metrics = results[TASK]
     assert metrics["perplexity,none"] == pytest.approx(
         math.exp(-sum(logliks) / len(logliks)), rel=1e-3
     )
     assert metrics["acc,none"] == pytest.approx(sum(greedies) / len(greedies))
+    assert results[MC_TASK]["acc,none"] == pytest.approx(sum(correct) / len(correct))
