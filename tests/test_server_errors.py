@@ -64,7 +64,11 @@ def completion(**fields) -> dict:
         ({"frequency_penalty": "0.5"}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"repetition_penalty": -1.0}, "repetition_penalty"),
-        ({"echo": True}, "echo"),
+        ({"echo": True, "stream": True}, "echo"),  # echo itself is served (test_server_echo)
+        ({"max_tokens": 0, "echo": False}, "max_tokens"),  # 0 only with echo
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"suffix": "and so on"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
     ],
 )
 def test_completion_parameter_errors_are_400(server, fields: dict, param: str) -> None:

@@ -56,6 +56,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # return the top-K logprobs of every generated token
+    # vLLM's: the top-K logprobs (and the actual token's) at every prompt position but the
+    # first; such a request skips the prefix-cache hit (its positions must be computed)
+    prompt_logprobs: int | None = None
     n: int = 1  # samples of one prompt; they share the prompt's KV blocks (copy-on-write)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # OpenAI's, over output tokens: logit -= presence * (count > 0) + frequency * count
@@ -88,6 +91,8 @@ class SamplingParams:
             _check_int("stop_token_ids[]", t, 0, None)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, 20)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20)
         _check_int("n", self.n, 1, MAX_N)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)

@@ -21,6 +21,7 @@ from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.limits import RequestLimits
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import append_token, make_output
+from kvserve.engine.prompt_logprobs import add_prompt_logprobs
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.manager import KVCacheManager
@@ -191,6 +192,8 @@ class LLMEngine:
                     None if params.seed is None else params.seed + i, self.runner.device
                 ),
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+                prompt_logprobs=parent.prompt_logprobs,  # complete, never changed again
+                prompt_token_ranks=parent.prompt_token_ranks,
                 parent_id=parent.request_id,
                 sample_index=i,
                 forked=True,
@@ -248,8 +251,11 @@ class LLMEngine:
         requests = self.scheduler.requests
         record.requests.extend(requests[s.request_id] for s in sched.scheduled)
         t1 = time.perf_counter()
-        logits = self.runner.execute(sched, requests)
+        ran = self.runner.execute(sched, requests)
+        logits = ran.logits
         t2 = time.perf_counter()
+        for request_id, chunk in ran.prompt_logprobs.items():
+            add_prompt_logprobs(requests[request_id], chunk)
         self.scheduler.update_after_step(sched)
         self.scheduler_time_s += (t1 - t0) + (time.perf_counter() - t2)
         self.model_time_s += t2 - t1

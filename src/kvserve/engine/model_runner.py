@@ -1,4 +1,5 @@
-"""ModelRunner: SchedulerOutput -> input tensors + AttentionMetadata -> logits of sampling rows.
+"""ModelRunner: SchedulerOutput -> input tensors + AttentionMetadata -> logits of sampling rows
+(and the prompt logprobs of the chunks of requests that ask for them, engine/prompt_logprobs.py).
 
 Lays the step's tokens out flat, decodes (one query token) first so the attention backend
 can batch them, computes each token's slot from its request's block table:
@@ -8,15 +9,29 @@ can batch them, computes each token's slot from its request's block table:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvserve.engine.faults import FaultInjector
 from kvserve.engine.fused_decode import FusedDecode
+from kvserve.engine.prompt_logprobs import (
+    PromptLogprobs,
+    compute_prompt_logprobs,
+    positions_needed,
+)
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.llama import EAGER_STEPS, LayerSteps, LlamaForCausalLM
 from kvserve.paged_attention import AttentionMetadata, PagedAttention
+
+
+class StepLogits(NamedTuple):
+    """What one step computed for the engine."""
+
+    logits: dict[str, torch.Tensor]  # next-token logits (vocab,) float32 per sampling request
+    prompt_logprobs: dict[str, PromptLogprobs]  # this step's prompt entries, where requested
 
 
 class ModelRunner:
@@ -84,15 +99,14 @@ class ModelRunner:
         return input_ids, pos, md
 
     @torch.inference_mode()
-    def execute(
-        self, out: SchedulerOutput, requests: dict[str, Request]
-    ) -> dict[str, torch.Tensor]:
-        """Run one step; returns next-token logits (vocab,) float32 for each sampling request."""
+    def execute(self, out: SchedulerOutput, requests: dict[str, Request]) -> StepLogits:
+        """Run one step; returns next-token logits (vocab,) float32 for each sampling request,
+        and the prompt logprobs of the prefill chunks that need them."""
         if out.block_copies:
             src, dst = zip(*out.block_copies, strict=True)
             self.storage.copy_blocks(list(src), list(dst))
         if not out.scheduled:
-            return {}
+            return StepLogits({}, {})
         # decodes first, shortest context first: the attention backend batches decodes in
         # groups of similar length, so little of each group is padding
         order = sorted(
@@ -107,9 +121,36 @@ class ModelRunner:
         else:
             attn = PagedAttention(self.storage, md)
             hidden = self.model(input_ids, positions, attn, self.steps)
+        prompt = self._prompt_logprobs(order, requests, md.query_start_loc, hidden)
         rows = [i for i, s in enumerate(order) if s.samples]
         if not rows:
-            return {}
+            return StepLogits({}, prompt)
         last = torch.tensor([md.query_start_loc[i + 1] - 1 for i in rows], device=self.device)
         logits = self.model.compute_logits(hidden[last])  # (num_sampling, vocab)
-        return {order[i].request_id: logits[j] for j, i in enumerate(rows)}
+        return StepLogits({order[i].request_id: logits[j] for j, i in enumerate(rows)}, prompt)
+
+    def _prompt_logprobs(
+        self,
+        order: list[ScheduledRequest],
+        requests: dict[str, Request],
+        starts: list[int],
+        hidden: torch.Tensor,  # (T, hidden_size)
+    ) -> dict[str, PromptLogprobs]:
+        """Logits at every prompt position of the chunks whose requests want prompt logprobs
+        (not only at the last one), turned into their entries."""
+        result: dict[str, PromptLogprobs] = {}
+        for i, s in enumerate(order):
+            req = requests[s.request_id]
+            needed = positions_needed(req, s.num_computed_tokens, s.num_new_tokens)
+            if not needed:
+                continue
+            shift = starts[i] - s.num_computed_tokens  # row of position p = p + shift
+            rows = range(needed.start + shift, needed.stop + shift)
+            nxt = req.prompt_token_ids[needed.start + 1 : needed.stop + 1]
+            k = req.sampling_params.prompt_logprobs
+            assert k is not None
+            logprobs, ranks = compute_prompt_logprobs(
+                hidden, rows, nxt, k, self.model.compute_logits
+            )
+            result[s.request_id] = PromptLogprobs(needed.start + 1, logprobs, ranks)
+        return result

@@ -107,4 +107,7 @@ def make_output(req: Request) -> RequestOutput | None:
         parent_request_id=req.parent_id,
         index=req.sample_index,
         error=req.error,
+        # complete once a token was sampled, and never changed again: shared, not copied
+        prompt_logprobs=req.prompt_logprobs,
+        prompt_token_ranks=req.prompt_token_ranks,
     )

@@ -58,6 +58,10 @@ class Request:
     num_emitted_chars: int = 0  # text already handed out in outputs
     num_emitted_tokens: int = 0  # output tokens (and their logprobs) already handed out
     logprobs: list[dict[int, float]] | None = None
+    # prompt_logprobs requested: per prompt token, its position's top-k + the token itself
+    # (entry 0 None: nothing predicts the first token); the prefill chunks fill it in order
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None  # each prompt token's rank (1 = best)
     parent_id: str | None = None  # n > 1: the request this sample was forked from
     sample_index: int = 0  # n > 1: which of the n samples this is
     forked: bool = False  # n > 1: the parent has made its n - 1 siblings
@@ -71,10 +75,19 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs, self.prompt_token_ranks = [None], [None]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A prefix-cache hit would skip positions whose prompt logprobs are still missing
+        (vLLM skips the hit too); once they are all in, a recompute may hit again."""
+        pl = self.prompt_logprobs
+        return pl is not None and len(pl) < self.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -118,3 +131,7 @@ class RequestOutput:
     parent_request_id: str | None = None  # n > 1: the id the caller gave (samples share it)
     index: int = 0  # n > 1: which sample of that request
     error: str | None = None  # finish_reason "error": the failure, e.g. "RuntimeError: ..."
+    # prompt_logprobs requested: one entry per prompt token (the first None), complete on
+    # every output (they are known before the first token is sampled)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ranks: list[int | None] | None = None  # rank of each prompt token (1 = best)

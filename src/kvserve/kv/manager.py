@@ -30,6 +30,7 @@ class CacheRequest(Protocol):
     num_computed_tokens: int
     cache_salt: str | None
     block_hashes: list[bytes]
+    skip_reading_prefix_cache: bool  # prompt logprobs: every prompt position must be computed
 
 
 class KVCacheManager:
@@ -60,7 +61,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: CacheRequest) -> tuple[list[KVBlock], int]:
         """Cached full blocks matching the request's first tokens, and how many tokens they hold."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.skip_reading_prefix_cache:
             return [], 0
         self._update_hashes(req)
         tokens = req.all_token_ids

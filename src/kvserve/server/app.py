@@ -31,6 +31,7 @@ from kvserve.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from kvserve.server.serving import Served
 
@@ -136,6 +137,29 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         s = served()
         return await s.run_blocking(detokenize_blocking, s, body)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse)
+    async def tokenizer_info() -> TokenizerInfoResponse:
+        s = served()
+        if s.tokenizer is None:
+            raise APIError(404, "this model has no tokenizer", code="tokenizer_not_found")
+        hf = s.tokenizer.hf
+
+        def special(name: str) -> str | None:
+            value = getattr(hf, name, None)
+            return None if value is None else str(value)
+
+        template = getattr(hf, "chat_template", None)
+        return TokenizerInfoResponse(
+            tokenizer_class=type(hf).__name__,
+            bos_token=special("bos_token"),
+            eos_token=special("eos_token"),
+            pad_token=special("pad_token"),
+            unk_token=special("unk_token"),
+            model_max_length=s.max_model_len,
+            vocab_size=len(hf),
+            chat_template=template if isinstance(template, str) else None,
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

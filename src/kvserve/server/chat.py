@@ -20,6 +20,7 @@ from kvserve.engine.request import RequestOutput
 from kvserve.sampling import SamplingParams
 from kvserve.server.async_engine import PromptSpec, RequestStream
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.prompt_logprobs import vllm_prompt_logprobs
 from kvserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -89,6 +90,10 @@ def _prepare(served: Served, req: ChatCompletionRequest) -> tuple[list[int], Sam
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     served.check_sequences(1, req.n)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request(
+            "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+        )
     ids = chat_prompt(served, req.messages, req.add_generation_prompt)
     served.check_prompt_tokens(len(ids))
     requested, param = req.max_completion_tokens, "max_completion_tokens"
@@ -96,7 +101,7 @@ def _prepare(served: Served, req: ChatCompletionRequest) -> tuple[list[int], Sam
         requested, param = req.max_tokens, "max_tokens"
     max_tokens = served.resolve_max_tokens(requested, len(ids), None, param, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
-    return ids, served.sampling_params(req, max_tokens, k)
+    return ids, served.sampling_params(req, max_tokens, k, req.prompt_logprobs)
 
 
 async def create_chat_completion(
@@ -134,6 +139,9 @@ async def create_chat_completion(
         model=served.model_name,
         choices=choices,
         usage=usage([len(ids)], outs, cached_tokens(outs)),
+        prompt_logprobs=None
+        if req.prompt_logprobs is None
+        else vllm_prompt_logprobs(served, finals[(0, 0)], req.prompt_logprobs),
     )
     return JSONResponse(body.model_dump())
 

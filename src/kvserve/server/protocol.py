@@ -63,6 +63,8 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
     user: str | None = None
+    # vLLM's: the top-K logprobs at every prompt position (the first is null); not streamed
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False)
     # a vLLM extra field (the openai client's extra_body): 1 is off
@@ -72,8 +74,9 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     # text, token ids, or a batch of either
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt alone comes back
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion (text and, with logprobs, its logprobs)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -135,11 +138,24 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt position, as vLLM's ``Logprob``."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the position's most likely token
+    decoded_token: str | None = None
+
+
+# per prompt token (the first is None): token id (as a string, JSON keys are) -> its logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -184,6 +200,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's: the prompt's, once per response
 
 
 class DeltaMessage(BaseModel):
@@ -229,6 +246,21 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info, as vLLM's: the tokenizer_config.json a remote client needs
+    (lm-evaluation-harness's ``tokenizer_backend=remote`` reads the special tokens and the
+    chat template, then tokenizes through /tokenize)."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    model_max_length: int  # the served context (max_model_len), not the tokenizer's default
+    vocab_size: int
+    chat_template: str | None = None
 
 
 class ErrorInfo(BaseModel):

@@ -108,6 +108,12 @@ class Served:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def token_texts(self, token_ids: Sequence[int]) -> str:
+        """The text of a token-id prompt, special tokens included (echo shows them)."""
+        if self.tokenizer is None:
+            return "".join(self.token_text(t) for t in token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     # -- limits and parameters -----------------------------------------------------------
     def check_sequences(self, num_prompts: int, n: int) -> None:
         bounds.check_sequences(self.bounds, num_prompts, n)
@@ -133,7 +139,11 @@ class Served:
             )
 
     def sampling_params(
-        self, req: _SamplingRequest, max_tokens: int, logprobs: int | None
+        self,
+        req: _SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if any(not s for s in stop):
@@ -163,7 +173,11 @@ class Served:
                 fields[name] = value
         try:
             params = SamplingParams(
-                **fields, stop=tuple(stop), stop_token_ids=tuple(stop_ids), logprobs=logprobs
+                **fields,
+                stop=tuple(stop),
+                stop_token_ids=tuple(stop_ids),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             )
         except (ValueError, TypeError) as e:  # the protocol's ranges should have caught it
             raise bad_request(str(e), str(e).split(" ", 1)[0]) from e
