@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.engine.limits import MAX_N
 from kvserve.penalties import TokenHistory, apply_penalties
 
-MAX_N = 64  # samples per prompt
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
 
 

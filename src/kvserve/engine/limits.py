@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvserve.sampling import SamplingParams
+if TYPE_CHECKING:  # no torch at import: the server's protocol reads MAX_N from here
+    from kvserve.sampling import SamplingParams
+
+MAX_N = 64  # samples per prompt (n): SamplingParams and the server's protocol both bound it
 
 
 class RequestRejected(ValueError):

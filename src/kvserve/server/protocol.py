@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvserve.sampling import MAX_N
+from kvserve.engine.limits import MAX_N
 
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
