@@ -305,11 +305,17 @@ def test_a_big_token_id_body_is_parsed_off_the_event_loop(server: ServerProcess)
     # 200k prompts of token ids, 2 MiB: parsing and validating it holds the GIL for about a
     # second, so it goes to the body-check process first and the loop never parses it
     body = {"prompt": [[1, 2, 3]] * 200_000, "max_tokens": 1}
-    error = error_of(meanwhile(server, post(server, body)), 400)
-    assert error["message"] == (
-        "this request has 200000 prompts = 200000 sequences; the limit is 64 per request "
-        "(--max-prompts-per-request)"
-    )
+    raw = json.dumps(body).encode()
+
+    def no_content_type() -> httpx.Response:  # FastAPI parses it as JSON all the same
+        return httpx.post(f"{server.url}/v1/completions", content=raw, timeout=120)
+
+    for send in (post(server, body), no_content_type):
+        error = error_of(meanwhile(server, send), 400)
+        assert error["message"] == (
+            "this request has 200000 prompts = 200000 sequences; the limit is 64 per request "
+            "(--max-prompts-per-request)"
+        )
 
 
 @pytest.mark.parametrize(
@@ -329,6 +335,9 @@ def test_the_body_check_refuses_as_the_route_does(server: ServerProcess, body: d
     padded = json.dumps({**body, "user": "x" * (80 << 10)}).encode()
     refusals = [error_of(post(server, raw)(), 400) for raw in (small, padded)]
     assert refusals[0] == refusals[1]
+    # no content type: FastAPI reads the body as JSON anyway, so the check does too
+    r = httpx.post(f"{server.url}/v1/completions", content=padded, timeout=60)
+    assert error_of(r, 400) == refusals[0]
     bad_json = padded[:-1]
     assert error_of(post(server, bad_json)(), 400)["message"] == (
         "the request body is not valid JSON"

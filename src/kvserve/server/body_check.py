@@ -90,12 +90,11 @@ class BodyCheckMiddleware:
         self.min_bytes = min_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["method"] != "POST"
-            or scope["path"] not in _MODELS
-            or b"json" not in dict(scope["headers"]).get(b"content-type", b"")
-        ):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _MODELS:
+            return await self.app(scope, receive, send)
+        # FastAPI reads a body with no content type as JSON too
+        content_type = dict(scope["headers"]).get(b"content-type", b"json")
+        if b"json" not in content_type:
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []
         while True:  # the body limit (an outer middleware) keeps this bounded
