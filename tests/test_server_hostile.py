@@ -342,3 +342,51 @@ def test_the_body_check_refuses_as_the_route_does(server: ServerProcess, body: d
     assert error_of(post(server, bad_json)(), 400)["message"] == (
         "the request body is not valid JSON"
     )
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc: Linux, as CI is)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")"
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry.name))
+    return kids
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("how", ["terminate", "kill"])
+def test_the_body_check_worker_ends_with_the_server(
+    chat_checkpoint: Path, tmp_path: Path, how: str
+) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSERVE_KERNELS", "0")
+        proc = start_server(chat_checkpoint, tmp_path)
+    try:
+        before = set(children_of(proc.proc.pid))
+        # a body over 64 KiB goes through the side process; this one passes and is served
+        body = {"prompt": [1, 2, 3], "max_tokens": 1, "user": "x" * (80 << 10)}
+        assert post(proc, body)().status_code == 200
+        workers = set(children_of(proc.proc.pid)) - before
+        assert len(workers) == 1, workers  # the one body-check worker, started on first use
+        (worker,) = workers
+        getattr(proc.proc, how)()
+        proc.proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(worker), f"the body-check worker {worker} outlived the server ({how})"
+    finally:
+        proc.stop()

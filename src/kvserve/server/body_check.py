@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
+import threading
+import time
 from concurrent.futures import Executor, ProcessPoolExecutor
 
 from pydantic import BaseModel, ValidationError
@@ -68,10 +71,28 @@ def precheck(path: str, raw: bytes, config: ServerConfig) -> Refusal | None:
     return None
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """The worker's initializer: exit when the server process is gone. A pool worker holds
+    both ends of its own call queue, so it would never see the parent's end close, and a
+    server killed without its shutdown would leave it waiting forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
+
+
 def new_checker_pool() -> Executor:
     """One worker, started by spawn (the server process has threads; fork would copy their
-    locks), on first use."""
-    return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    locks), on first use; it exits with the server whichever way the server ends."""
+    return ProcessPoolExecutor(
+        1,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_exit_with_parent,
+        initargs=(os.getpid(),),
+    )
 
 
 class BodyCheckMiddleware:

@@ -108,6 +108,6 @@ def run_server(
     finally:
         if state.served is not None:
             state.served.close()
-        state.body_check_pool.shutdown(wait=False, cancel_futures=True)
+        state.body_check_pool.shutdown(wait=True, cancel_futures=True)
     if failure:
         raise failure[0]
