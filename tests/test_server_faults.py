@@ -125,3 +125,27 @@ def test_faults_fail_their_requests_restart_the_loop_and_finally_kill_it(
     assert "RepeatedStepFailure" in health.json()["error"]["message"]
     refused = complete(http, "Hello", 1)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+
+
+def test_restart_limits_come_from_the_flags(chat_checkpoint: Path, tmp_path: Path) -> None:
+    # one failed step is a restart (--max-consecutive-step-failures 1), and no restart is
+    # allowed (--max-restarts 0): the first fault stops the engine. With the defaults the same
+    # fault only fails its request (test above, step 20)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVSERVE_FAULT_STEPS", "1")
+        proc = start_server(
+            chat_checkpoint, tmp_path, "--max-consecutive-step-failures", "1",
+            "--max-restarts", "0", "--restart-window-s", "5",
+        )  # fmt: skip
+    try:
+        with proc.http() as http:
+            r = complete(http, "Hello", 4)
+            assert r.status_code == 500
+            assert "injected fault at model step 1" in r.json()["error"]["message"]
+            deadline = time.monotonic() + 10  # the loop dies right after sending the error
+            while (health := http.get("/health")).status_code == 200:
+                assert time.monotonic() < deadline, "the engine loop did not stop"
+                time.sleep(0.05)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    finally:
+        proc.stop()

@@ -131,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
             "/health answers 503 when no engine step finished for this long while work waits",
         ),
         ("--preprocess-threads", int, "preprocess_threads", "threads tokenizing requests"),
+        (
+            "--max-consecutive-step-failures",
+            int,
+            "max_consecutive_step_failures",
+            "failed engine steps in a row that restart the engine loop",
+        ),
+        (
+            "--max-restarts",
+            int,
+            "max_restarts",
+            "loop restarts allowed within --restart-window-s; one more stops the engine",
+        ),
+        ("--restart-window-s", float, "restart_window_s", "the window --max-restarts counts in"),
     ]
     for flag, kind, name, doc in flags:
         s.add_argument(flag, type=kind, default=getattr(_SERVER, name), help=doc)
@@ -283,6 +296,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_stream_buffer_events=args.max_stream_buffer_events,
         health_stall_timeout_s=args.health_stall_timeout_s,
         preprocess_threads=args.preprocess_threads,
+        max_consecutive_step_failures=args.max_consecutive_step_failures,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window_s,
     )
     # tests of fault containment make the model raise on chosen steps; read here only
     fault_steps = os.environ.get(FAULT_STEPS_ENV, "")

@@ -41,6 +41,11 @@ class ServerConfig:
     # /health turns 503 when no engine step has finished for this long while work waits
     health_stall_timeout_s: float = 30.0
     preprocess_threads: int = 2  # tokenizing / templating / validating, off the event loop
+    # faults: this many failed engine steps in a row restart the loop; more than max_restarts
+    # restarts within restart_window_s kill it (/health 503)
+    max_consecutive_step_failures: int = 3
+    max_restarts: int = 3
+    restart_window_s: float = 60.0
 
     @property
     def tenant_keys(self) -> dict[str, str]:
@@ -69,8 +74,12 @@ class ServerConfig:
             "max_prompt_tokens_per_request",
             "max_stream_buffer_events",
             "preprocess_threads",
+            "max_consecutive_step_failures",
         ):
             _at_least(name, getattr(self, name), 1)
+        _at_least("max_restarts", self.max_restarts, 0)
+        if not self.restart_window_s > 0:
+            raise ValueError(f"restart_window_s must be positive, got {self.restart_window_s}")
         _at_least("max_stop_strings", self.max_stop_strings, 0)
         _at_least("max_stop_chars", self.max_stop_chars, 0)
         if not self.health_stall_timeout_s > 0:

@@ -62,6 +62,9 @@ def load_served(
         server_config.log_interval_s,
         max_stream_buffer_events=server_config.max_stream_buffer_events,
         health_stall_timeout_s=server_config.health_stall_timeout_s,
+        max_consecutive_step_failures=server_config.max_consecutive_step_failures,
+        max_restarts=server_config.max_restarts,
+        restart_window_s=server_config.restart_window_s,
     )
     loop.start()
     return Served(
