@@ -171,9 +171,12 @@ def test_a_big_batch_is_fed_round_robin_and_keeps_the_engine_queue_small(
     fed: list[str] = []
     real_add = engine.add_request
 
-    def add_request(prompt, p, rid, salt):
+    priorities: dict[str, int] = {}
+
+    def add_request(prompt, p, rid, salt, priority):
         fed.append(rid)
-        return real_add(prompt, p, rid, salt)
+        priorities[rid] = priority
+        return real_add(prompt, p, rid, salt, priority=priority)
 
     engine.add_request = add_request
     loop = AsyncEngine(engine, max_queued_requests=1000)
@@ -199,6 +202,9 @@ def test_a_big_batch_is_fed_round_robin_and_keeps_the_engine_queue_small(
     assert fed[:6] == ["blocker-0", "big-0", "small-0", "big-1", "small-1", "big-2"]
     assert fed[6:] == [f"big-{i}" for i in range(3, 200)]
     assert max(held.in_engine) == 4  # never more than max_num_seqs in the engine
+    # each prompt's priority is its index in its group: batches yield to single requests
+    assert priorities == {rid: int(rid.rsplit("-", 1)[1]) for rid in fed}
+    assert priorities["big-199"] == 199 and priorities["small-1"] == 1
     assert_no_leaks(engine)
 
 

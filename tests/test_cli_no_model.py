@@ -87,3 +87,21 @@ def test_console_script_entry_point() -> None:
     )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_serve_defaults_to_latency_scheduling_and_generate_to_throughput() -> None:
+    from kvserve.cli import build_parser
+    from kvserve.cli_args import scheduler_config
+
+    parser = build_parser()
+    serve = scheduler_config(parser.parse_args(["serve"]))
+    assert (serve.scheduling_policy, serve.max_prefill_tokens_with_decodes) == ("priority", 256)
+    gen = scheduler_config(parser.parse_args(["generate", "--prompt", "hi"]))
+    assert (gen.scheduling_policy, gen.max_prefill_tokens_with_decodes) == ("fcfs", None)
+    # the defaults are overridable both ways
+    custom = scheduler_config(
+        parser.parse_args(
+            ["serve", "--scheduling-policy", "fcfs", "--max-prefill-tokens-with-decodes", "64"]
+        )
+    )
+    assert (custom.scheduling_policy, custom.max_prefill_tokens_with_decodes) == ("fcfs", 64)

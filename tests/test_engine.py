@@ -269,6 +269,32 @@ def test_lpm_policy_serves_prefix_hits_first(session: ModelSession) -> None:
     assert_no_leaks(llm)
 
 
+def test_priority_policy_and_prefill_cap_keep_tokens_exact(session: ModelSession) -> None:
+    """The server's scheduling (priority + a prefill cap of 8 beside decodes, a 16-token
+    step) reorders and splits the work, never changes it: each prompt's greedy tokens are the
+    no-cache reference's, and the step-by-step mix really did differ (more steps)."""
+    prompts = [random_token_ids(n, seed=60 + n) for n in (5, 23, 9, 31, 14)]
+    steps = {}
+    for name, kw in {
+        "fcfs": {},
+        "priority": {"scheduling_policy": "priority", "max_prefill_tokens_with_decodes": 8},
+    }.items():
+        llm = make_llm(session, max_num_batched_tokens=16, **kw)
+        engine = llm.engine
+        reqs = [
+            engine.add_request(p, greedy(6), priority=prio)
+            for p, prio in zip(prompts, [3, 0, 2, 1, 0], strict=True)
+        ]
+        steps[name] = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps[name] += 1
+        for prompt, r in zip(prompts, reqs, strict=True):
+            assert r.output_token_ids == reference_tokens(session, prompt, 6), (name, r)
+        assert_no_leaks(llm)
+    assert steps["priority"] > steps["fcfs"]
+
+
 @pytest.mark.parametrize("prompt_len", [10, 12])  # a shared partial last block, and none
 def test_n_samples_fork_the_prompt_and_match_separate_seeds(
     session: ModelSession, prompt_len: int

@@ -82,10 +82,13 @@ def make_scheduler(
     max_num_seqs: int = MAX_NUM_SEQS,
     max_batched: int = MAX_BATCHED,
     enable_prefix_caching: bool = True,
+    **config: object,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched)
-    return Scheduler(config, kv, MAX_MODEL_LEN)
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, **config
+    )
+    return Scheduler(sched, kv, MAX_MODEL_LEN)
 
 
 def run_step(sched: Scheduler, model: FakeModel, tokens) -> SchedulerOutput:
@@ -179,9 +182,11 @@ def drain(sched: Scheduler, model: FakeModel, max_steps: int = 2000) -> int:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    CONFIG: dict[str, object] = {}  # SchedulerConfig fields beside the defaults
+
     def __init__(self) -> None:
         super().__init__()
-        self.sched = make_scheduler()
+        self.sched = make_scheduler(**self.CONFIG)
         self.kv = self.sched.kv
         self.model = FakeModel(self.sched)
         self.ids = itertools.count()
@@ -193,8 +198,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, VOCAB - 1), max_size=40),
         max_tokens=st.integers(1, 8),
         cache_salt=st.sampled_from([None, "a"]),
+        priority=st.integers(0, 3),
     )
-    def add_request(self, prefix, tail, max_tokens, cache_salt):
+    def add_request(self, prefix, tail, max_tokens, cache_salt, priority):
         prompt = (prefix + tail)[:40] or [0]
         rid = f"r{next(self.ids)}"
         req = Request(
@@ -202,6 +208,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt_token_ids=prompt,
             sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             cache_salt=cache_salt,
+            priority=priority,
         )
         self.sched.add_request(req)
         self.all_requests[rid] = req
@@ -393,3 +400,14 @@ def test_no_prefix_caching_runs_clean():
     assert sched.kv.prefix_hits == 0
     assert sched.kv.pool.cached == {}
     assert_all_free(sched.kv)
+
+
+class PrioritySchedulerMachine(SchedulerMachine):
+    """The same invariants under the server's defaults: the priority policy (a waiting request
+    may overtake a running prefill) and a prefill cap beside decodes."""
+
+    CONFIG = {"scheduling_policy": "priority", "max_prefill_tokens_with_decodes": 5}
+
+
+PrioritySchedulerMachine.TestCase.settings = SchedulerMachine.TestCase.settings
+TestPriorityScheduler = PrioritySchedulerMachine.TestCase

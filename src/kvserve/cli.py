@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_model_args(s)
-    add_engine_args(s)
+    add_engine_args(s, serving=True)
     s.add_argument("--host", default=_SERVER.host)
     s.add_argument("--port", type=int, default=_SERVER.port)
     s.add_argument(

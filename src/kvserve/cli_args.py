@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.llm import LLM
 from kvserve.kv.spec import parse_memory
 from kvserve.models.loader import DTYPE_CHOICES
@@ -46,7 +46,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+# `kvserve serve` defaults for latency under shared load (vLLM likewise gives its API server
+# other step defaults than its LLM class): batches yield to single requests, and a step with
+# decodes in it stays short. Offline use (generate, LLM) keeps fcfs and the whole budget.
+SERVE_SCHEDULING_POLICY = "priority"
+SERVE_MAX_PREFILL_TOKENS_WITH_DECODES = 256
+
+
+def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument(
         "--kv-cache-memory",
         default=None,
@@ -72,9 +79,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--scheduling-policy",
-        default=_SCHED.scheduling_policy,
-        choices=["fcfs", "lpm"],
-        help="admission order: fcfs (arrival) or lpm (longest cached prefix first)",
+        default=SERVE_SCHEDULING_POLICY if serving else _SCHED.scheduling_policy,
+        choices=list(SCHEDULING_POLICIES),
+        help="admission order: fcfs (arrival), lpm (longest cached prefix first) or priority "
+        "(lowest priority first; the server gives a batch's k-th prompt priority k, so "
+        "batches yield to single requests)",
+    )
+    p.add_argument(
+        "--max-prefill-tokens-with-decodes",
+        type=int,
+        default=SERVE_MAX_PREFILL_TOKENS_WITH_DECODES if serving else None,
+        help="a step that carries decodes takes at most this many prefill tokens (bounds "
+        "inter-token latency while prompts are prefilled; default: "
+        + ("%(default)s" if serving else "the whole --max-num-batched-tokens")
+        + ")",
     )
 
 
@@ -137,7 +155,11 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
-        args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.scheduling_policy
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.max_model_len,
+        args.scheduling_policy,
+        args.max_prefill_tokens_with_decodes,
     )
 
 
@@ -158,5 +180,6 @@ def make_llm(args: argparse.Namespace, session: ModelSession) -> LLM:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         enforce_eager=args.enforce_eager,
     )

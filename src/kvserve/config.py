@@ -32,6 +32,9 @@ class CacheConfig:
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
 
 
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64  # requests running at once
@@ -40,13 +43,24 @@ class SchedulerConfig:
     # "fcfs": admit in arrival order (vLLM). "lpm": longest cached prefix first (SGLang), ties
     # in arrival order; preempted requests always go first. lpm serves prefix hits early at
     # the price of fairness (a request with no hit can wait behind many hits).
+    # "priority": lowest ``Request.priority`` first, then arrival (vLLM); a waiting request
+    # may be admitted before a lower-ranked running prefill continues. The server gives a
+    # batch's k-th prompt priority k, so a batch yields to single requests (fairness).
     scheduling_policy: str = "fcfs"
+    # a step that carries decodes takes at most this many prefill tokens (None: up to the
+    # step's budget). Bounds every stream's inter-token latency while prompts are prefilled
+    # (Sarathi-Serve's token budget); steps with no decode still use the whole budget.
+    max_prefill_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.scheduling_policy not in ("fcfs", "lpm"):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}"
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                f"got {self.scheduling_policy!r}"
             )
+        _positive_int(
+            "max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes, allow_none=True
+        )
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_model_len", self.max_model_len, allow_none=True)

@@ -155,9 +155,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Queue a request; raises ValueError (``RequestRejected``, naming the field) if it can
-        never run (nothing is queued then)."""
+        never run (nothing is queued then). ``priority`` orders admission under the
+        "priority" scheduling policy (lower first) and is ignored by the others."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         self.limits.check(ids, params)
@@ -167,6 +169,7 @@ class LLMEngine:
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
+            priority=priority,
             generator=make_generator(params.seed, self.runner.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
         )
@@ -185,6 +188,7 @@ class LLMEngine:
                 eos_token_ids=parent.eos_token_ids,
                 cache_salt=parent.cache_salt,
                 arrival_time=parent.arrival_time,
+                priority=parent.priority,
                 all_token_ids=list(parent.all_token_ids),
                 # sample i draws from seed + i: reproducible, and the same as a lone request
                 # with that seed

@@ -172,6 +172,7 @@ def _unborn_siblings(parent: Request, have: set[int], message: str) -> list[Requ
             sampling_params=parent.sampling_params,
             eos_token_ids=parent.eos_token_ids,
             arrival_time=parent.arrival_time,
+            priority=parent.priority,
             status=RequestStatus.FINISHED_ERROR,
             parent_id=parent.request_id,
             sample_index=i,

@@ -39,6 +39,7 @@ class LLM:
         max_num_batched_tokens: int = _SCHED.max_num_batched_tokens,
         max_model_len: int | None = None,
         scheduling_policy: str = _SCHED.scheduling_policy,
+        max_prefill_tokens_with_decodes: int | None = _SCHED.max_prefill_tokens_with_decodes,
         session: ModelSession | None = None,
         show_progress: bool = False,
         enforce_eager: bool = False,
@@ -53,7 +54,11 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
         )
         sched = SchedulerConfig(
-            max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            scheduling_policy,
+            max_prefill_tokens_with_decodes,
         )
         self.engine = LLMEngine.from_session(self.session, cache, sched, enforce_eager)
 
@@ -63,6 +68,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in the order of the prompts, and for a
         prompt with ``n > 1`` its n samples in a row (``index`` 0 .. n-1). Each is a final
@@ -82,13 +88,16 @@ class LLM:
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         # only final outputs are returned: the engine builds no other
         params = [_with_kind(p, RequestOutputKind.FINAL_ONLY) for p in params]
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.engine
         encoded = [engine.encode(p) for p in prompts]
         for ids, p in zip(encoded, params, strict=True):
             engine.limits.check(ids, p)
         order = []
-        for ids, p in zip(encoded, params, strict=True):
-            rid = engine.add_request(ids, p, cache_salt=cache_salt).request_id
+        for ids, p, prio in zip(encoded, params, priorities, strict=True):
+            rid = engine.add_request(ids, p, cache_salt=cache_salt, priority=prio).request_id
             order += [rid] + [f"{rid}-{i}" for i in range(1, p.n)]  # ids the engine forks
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="requests", disable=not use_tqdm) as bar:

@@ -43,6 +43,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # the "priority" policy: lower runs first, ties by arrival (vLLM)
     all_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

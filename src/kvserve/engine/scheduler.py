@@ -1,12 +1,17 @@
 """Continuous batching: which requests run this step, and how many tokens each.
 
 Every step mixes decodes (one token) and prefill chunks under two limits:
-``max_num_batched_tokens`` per step and ``max_num_seqs`` running requests. Running requests
-are served first, in admission order; then waiting ones, front first, starting from their
-prefix-cache hit. When the pool is out of blocks for a running request, the newest running
-request is preempted: its blocks are freed and it goes back to the front of the waiting queue,
-to be recomputed later (usually through its own prefix-cache hit). A step that preempted
-admits no new request.
+``max_num_batched_tokens`` per step and ``max_num_seqs`` running requests. Decodes go first
+(Sarathi-Serve), in admission order; a step that carries decodes then takes at most
+``max_prefill_tokens_with_decodes`` prefill tokens, so that its length (every stream's
+inter-token latency) stays bounded while prompts are prefilled. The prefill part is running
+prefills (chunked) and waiting requests from their prefix-cache hit: under "fcfs" and "lpm"
+running prefills continue before anything is admitted; under "priority" the two compete by
+(priority, arrival), so a high-priority arrival is admitted before a low-priority prefill
+continues. When the pool is out of blocks for a running request, the newest running request
+is preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed later (usually through its own prefix-cache hit). A step that preempted admits no
+new request.
 
 The scheduler knows requests and block ids, never tensors: ``SchedulerOutput`` is plain data
 for the model runner.
@@ -43,6 +48,17 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class _StepBudget:
+    budget: int  # tokens this step may still schedule
+    new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    """The "priority" policy's order: lower priority value first (vLLM), then arrival."""
+    return (req.priority, req.arrival_time)
 
 
 class Scheduler:
@@ -127,58 +143,60 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        new_tokens: dict[str, int] = {}
+        step = _StepBudget(self.config.max_num_batched_tokens)
+        by_priority = self.config.scheduling_policy == "priority"
+        if by_priority:  # before any preemption: this step's preempted stay first in line
+            self.waiting = deque(sorted(self.waiting, key=_rank))
+        # decodes first (Sarathi-Serve): a prefill chunk admitted earlier must not take the
+        # step's budget from requests that need only their next token
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        partial = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes:
+            if step.budget <= 0:
+                break
+            if req.status is RequestStatus.RUNNING:  # not preempted by an earlier one
+                self._schedule_running(req, step, out)
+        cap = self.config.max_prefill_tokens_with_decodes
+        if step.new_tokens and cap is not None:
+            # a step that carries decodes takes a bounded prefill: the step's length is every
+            # streaming client's inter-token latency, and the next arrival's wait
+            step.budget = min(step.budget, cap)
 
+        if by_priority:
+            partial.sort(key=_rank)
+        elif self.config.scheduling_policy == "lpm" and self.kv.enable_prefix_caching:
+            self._order_longest_prefix_first()
+        pending = self._pending_prefix_hashes()
+        deferred: list[Request] = []
+        admitting = True
+        now = time.monotonic()
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
-                i += 1
+        while step.budget > 0:
+            if i < len(partial) and partial[i].status is not RequestStatus.RUNNING:
+                i += 1  # preempted this step
                 continue
-            while not self._try_allocate(req, n, out):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                new_tokens.pop(victim.request_id, None)
-                if victim is req:
-                    break
-            else:
-                new_tokens[req.request_id] = n
-                budget -= n
+            head = partial[i] if i < len(partial) else None
+            admitting = (
+                admitting
+                and not out.preempted  # a step that preempted admits no new request
+                and bool(self.waiting)
+                and len(self.running) < self.config.max_num_seqs
+            )
+            # fcfs / lpm: running prefills continue before anything is admitted; priority:
+            # a waiting request that outranks the next running prefill goes first
+            if admitting and (
+                head is None or (by_priority and _rank(self.waiting[0]) < _rank(head))
+            ):
+                admitting = self._admit(self.waiting.popleft(), step, pending, deferred, now)
+            elif head is not None:
+                self._schedule_running(head, step, out)
                 i += 1
-
-        if not out.preempted:
-            now = time.monotonic()
-            if self.config.scheduling_policy == "lpm" and self.kv.enable_prefix_caching:
-                self._order_longest_prefix_first()
-            pending = self._pending_prefix_hashes()
-            deferred: list[Request] = []
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting.popleft()
-                computed, num_hit = self.kv.get_computed_blocks(req)
-                if self._next_block_pending(req, num_hit, pending):
-                    deferred.append(req)  # its prefix is being computed: wait and hit it
-                    continue
-                n = min(req.num_tokens - num_hit, budget)
-                if self.kv.allocate_slots(req, n, computed) is None:
-                    self.waiting.appendleft(req)  # no room now; it stays first in line
-                    break
-                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
-                pending.update(self._uncomputed_prompt_hashes(req, num_hit))
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                if req.first_scheduled_time is None:
-                    req.first_scheduled_time = now
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                new_tokens[req.request_id] = n
-                budget -= n
-            self.waiting.extendleft(reversed(deferred))  # back to the front, in order
+            else:
+                break
+        self.waiting.extendleft(reversed(deferred))  # back to the front, in order
 
         for req in self.running:
-            n = new_tokens.get(req.request_id)
+            n = step.new_tokens.get(req.request_id)
             if n:
                 out.scheduled.append(
                     ScheduledRequest(
@@ -190,6 +208,53 @@ class Scheduler:
                     )
                 )
         return out
+
+    def _schedule_running(self, req: Request, step: _StepBudget, out: SchedulerOutput) -> None:
+        """Give a running request its next chunk, preempting the newest running requests
+        (``req`` itself last) until its blocks fit."""
+        n = min(req.num_tokens - req.num_computed_tokens, step.budget)
+        if n <= 0:
+            return
+        while not self._try_allocate(req, n, out):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            step.budget += step.new_tokens.pop(victim.request_id, 0)
+            if victim is req:
+                return
+        step.new_tokens[req.request_id] = n
+        step.budget -= n
+
+    def _admit(
+        self,
+        req: Request,
+        step: _StepBudget,
+        pending: set[bytes],
+        deferred: list[Request],
+        now: float,
+    ) -> bool:
+        """Admit the waiting ``req`` (popped by the caller) from its prefix-cache hit.
+        Returns False when the pool has no room for it: it goes back first in line and nothing
+        more is admitted this step."""
+        computed, num_hit = self.kv.get_computed_blocks(req)
+        if self._next_block_pending(req, num_hit, pending):
+            deferred.append(req)  # its prefix is being computed: wait and hit it
+            return True
+        n = min(req.num_tokens - num_hit, step.budget)
+        if self.kv.allocate_slots(req, n, computed) is None:
+            self.waiting.appendleft(req)  # no room now; it stays first in line
+            return False
+        self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+        pending.update(self._uncomputed_prompt_hashes(req, num_hit))
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.new_tokens[req.request_id] = n
+        step.budget -= n
+        return True
 
     # -- in-batch prefix sharing -------------------------------------------------------------
     # Requests admitted together cannot hit each other's blocks: blocks enter the prefix cache

@@ -16,6 +16,10 @@ Admission, fair and O(batch):
   slots, ``max_num_batched_tokens`` of prompt). So a small request that arrives behind a
   1000-prompt batch starts within a step or two, the engine's waiting queue stays O(batch),
   and aborting a big batch drops its unfed prompts without the engine seeing them.
+- Each fed prompt carries its index in its group as its priority (a single request: 0). Under
+  the "priority" scheduling policy (``kvserve serve``'s default) the engine admits a single
+  request before the rest of a batch's prompts, even ahead of a batch prompt already being
+  prefilled.
 
 Backpressure: a group whose caller has left more than ``max_stream_buffer_events`` events per
 sequence unread (a client that stopped reading its stream) is aborted with a logged reason.
@@ -295,8 +299,10 @@ class AsyncEngine(LoopFaults):
             spec = group.prompts[i]
             rid = group.request_ids[i]
             try:
+                # a batch's k-th prompt gets priority k: under the "priority" policy batches
+                # yield to single requests, and batches interleave prompt by prompt
                 req = self.engine.add_request(
-                    spec.prompt_token_ids, spec.params, rid, group.cache_salt
+                    spec.prompt_token_ids, spec.params, rid, group.cache_salt, priority=i
                 )
             except ValueError as e:  # checked by the handler already; a last line of defence
                 self._abort_group(group, f"refused by the engine: {e}")
