@@ -295,6 +295,20 @@ def test_priority_policy_and_prefill_cap_keep_tokens_exact(session: ModelSession
     assert steps["priority"] > steps["fcfs"]
 
 
+def test_generate_priority_orders_and_is_checked(session: ModelSession) -> None:
+    llm = make_llm(session, scheduling_policy="priority", max_num_seqs=1)
+    prompts = [random_token_ids(6, seed=70 + i) for i in range(3)]
+    with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
+        llm.generate(prompts, greedy(2), use_tqdm=False, priority=[0, 1])
+    outs = llm.generate(prompts, greedy(2), use_tqdm=False, priority=[2, 0, 1])
+    # outputs stay in prompt order; one seat ran them in priority order
+    firsts = [o.queue_time_s for o in outs]  # arrivals are microseconds apart
+    assert firsts[1] < firsts[2] < firsts[0]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference_tokens(session, prompt, 2)
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("prompt_len", [10, 12])  # a shared partial last block, and none
 def test_n_samples_fork_the_prompt_and_match_separate_seeds(
     session: ModelSession, prompt_len: int

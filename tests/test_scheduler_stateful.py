@@ -85,9 +85,7 @@ def make_scheduler(
     **config: object,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
-    sched = SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, **config
-    )
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, **config)
     return Scheduler(sched, kv, MAX_MODEL_LEN)
 
 

@@ -75,7 +75,8 @@ class LLM:
         output (every request runs as FINAL_ONLY, whatever its ``output_kind``).
 
         Every prompt is checked before any is queued: one that can never fit raises
-        ValueError and nothing runs.
+        ValueError and nothing runs. ``priority`` (one per prompt, lower first) orders them
+        under ``scheduling_policy="priority"``, as in vLLM; the other policies ignore it.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: text, or one list of token ids

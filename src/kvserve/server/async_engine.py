@@ -408,4 +408,3 @@ def _tokens_ahead(queued: list[tuple[int, int]], priority: int) -> int:
             break
         total += n
     return total
-
