@@ -155,7 +155,6 @@ def test_unknown_model_is_404(server) -> None:
 
 
 ENDPOINTS = [
-    ("GET", "/health"),
     ("GET", "/v1/models"),
     ("GET", "/metrics"),
     ("POST", "/tokenize"),
@@ -173,6 +172,14 @@ def test_every_endpoint_needs_the_key(server, method: str, path: str) -> None:
         assert_error(r, 401)
     ok = httpx.request(method, server.url + path, headers=server.headers, timeout=10)
     assert ok.status_code != 401
+
+
+def test_health_is_open_without_a_key(server) -> None:
+    """Routers and load balancers probe /health with no credentials (SGLang's router does);
+    it tells liveness only."""
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(server.url + "/health", headers=headers, timeout=10)
+        assert r.status_code == 200 and r.content == b""
 
 
 def test_openai_client_with_a_wrong_key_gets_401(server) -> None:

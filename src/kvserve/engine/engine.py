@@ -316,3 +316,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no request holds (vLLM's reset_prefix_cache, but
+        partial: blocks of running requests keep their hashes). Returns how many."""
+        return self.kv_manager.pool.reset_prefix_cache()

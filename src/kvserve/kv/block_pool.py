@@ -163,10 +163,10 @@ class BlockPool:
                 dropped += 1
         return dropped
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0:
-                self._evict(block)
+    def reset_prefix_cache(self) -> int:
+        """Drop the hash of every free cached block; held blocks keep theirs. Returns how
+        many were dropped (not counted as evictions)."""
+        return self.uncache(self.blocks)
 
     def check_integrity(self) -> None:
         free = list(self.free_queue)

@@ -34,6 +34,7 @@ from kvserve.server.protocol import (
     TokenizerInfoResponse,
 )
 from kvserve.server.serving import Served
+from kvserve.server.worker_routes import add_worker_routes
 
 VERSION = importlib.metadata.version("kvserve")
 
@@ -168,5 +169,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/version")
     async def version() -> JSONResponse:
         return JSONResponse({"version": VERSION})
+
+    add_worker_routes(app, served)  # what routers ask a replica (SGLang's router, llm-d)
 
     return app

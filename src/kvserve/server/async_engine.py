@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -68,6 +69,7 @@ from kvserve.server.request_group import (
     AbortCommand,
     AddCommand,
     Command,
+    FlushCacheCommand,
     RequestGroup,
     RequestStream,
 )
@@ -220,6 +222,16 @@ class AsyncEngine(LoopFaults):
             group.put(ErrorEvent(f"the engine loop died: {self.error!r}", 500))
         return stream
 
+    async def flush_prefix_cache(self) -> int:
+        """Drop every cached block no request holds, on the loop thread (the engine is
+        single-threaded); returns how many. Running requests' blocks are never touched."""
+        if not self.alive:
+            raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._commands.put(FlushCacheCommand(done))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
     def abort(self, group: RequestGroup, reason: str = "the client went away") -> None:
         self._commands.put(AbortCommand(group, reason))
         self._wake.set()
@@ -283,6 +295,9 @@ class AsyncEngine(LoopFaults):
                 return
             if isinstance(command, AddCommand):
                 self._pending.append(command.group)
+            elif isinstance(command, FlushCacheCommand):
+                if not command.done.done():
+                    command.done.set_result(self.engine.reset_prefix_cache())
             else:
                 self._abort_group(command.group, command.reason)
 

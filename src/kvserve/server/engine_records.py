@@ -1,5 +1,6 @@
 """The typed records that cross the AsyncEngine boundary: what a caller submits, the events
-each request group receives, the refusals, and the loop's health verdict."""
+each request group receives, the refusals, the loop's health verdict, and what a replica tells
+a router about itself."""
 
 from __future__ import annotations
 
@@ -55,3 +56,22 @@ class HealthStatus:
     @property
     def ok(self) -> bool:
         return self.state is Health.OK
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """What a replica tells a router about itself; fixed once the model is loaded."""
+
+    model_path: str
+    served_model_name: str
+    model_type: str
+    architectures: tuple[str, ...]
+    tokenizer_path: str | None
+    dtype: str  # activations and the KV cache
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scheduling_policy: str
+    version: str

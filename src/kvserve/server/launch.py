@@ -6,6 +6,7 @@ load stops the server with that error.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +21,20 @@ from kvserve.engine.faults import FaultInjector
 from kvserve.server.app import build_app, new_state
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.config import ServerConfig
+from kvserve.server.engine_records import WorkerInfo
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.serving import Served
 from kvserve.session import ModelSession
+
+# HF architecture names of the model types models/llama.py serves (SUPPORTED_MODEL_TYPES;
+# SmolLM checkpoints are Llama ones)
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "smollm": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +79,21 @@ def load_served(
         restart_window_s=server_config.restart_window_s,
     )
     loop.start()
+    info = WorkerInfo(
+        model_path=str(engine_config.model or session.path),
+        served_model_name=model_name,
+        model_type=session.config.model_type,
+        architectures=(HF_ARCHITECTURES.get(session.config.model_type, "LlamaForCausalLM"),),
+        tokenizer_path=None if session.tokenizer is None else str(session.path),
+        dtype=str(session.model.dtype).removeprefix("torch."),
+        max_model_len=engine.limits.max_model_len,
+        num_kv_blocks=engine.kv_manager.pool.num_blocks,
+        block_size=engine.kv_manager.block_size,
+        max_num_seqs=engine_config.scheduler.max_num_seqs,
+        max_num_batched_tokens=engine_config.scheduler.max_num_batched_tokens,
+        scheduling_policy=engine_config.scheduler.scheduling_policy,
+        version=importlib.metadata.version("kvserve"),
+    )
     return Served(
         engine=loop,
         tokenizer=session.tokenizer,
@@ -76,6 +103,7 @@ def load_served(
         executor=ThreadPoolExecutor(
             server_config.preprocess_threads, thread_name_prefix="kvserve-preprocess"
         ),
+        info=info,
     )
 
 

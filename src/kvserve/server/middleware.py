@@ -14,11 +14,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvserve.server.errors import APIError
 from kvserve.server.tenants import SCOPE_KEY
 
+# answered without a key: a liveness verdict only, no data. Load balancers and routers probe it
+# without credentials (SGLang's router does; so do Kubernetes probes), as vLLM leaves it open
+OPEN_PATHS = frozenset({"/health"})
+
 
 class APIKeyMiddleware:
-    """Every path needs ``Authorization: Bearer KEY`` with a known key; the key's tenant goes
-    into the scope (``tenants.SCOPE_KEY``). Every key is compared, in constant time, whatever
-    matched: the time taken does not tell which key came close."""
+    """Every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY`` with a known key; the
+    key's tenant goes into the scope (``tenants.SCOPE_KEY``). Every key is compared, in
+    constant time, whatever matched: the time taken does not tell which key came close."""
 
     def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
         if not keys:
@@ -27,7 +31,7 @@ class APIKeyMiddleware:
         self.keys = [(f"Bearer {key}".encode(), tenant) for key, tenant in keys.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         tenant = None

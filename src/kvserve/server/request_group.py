@@ -9,6 +9,7 @@ caller has not read yet, is exact up to events in flight).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -73,7 +74,14 @@ class AbortCommand:
     reason: str
 
 
-Command = AddCommand | AbortCommand
+@dataclass(frozen=True, slots=True)
+class FlushCacheCommand:
+    """Drop the evictable prefix cache; ``done`` gets the number of blocks dropped."""
+
+    done: concurrent.futures.Future[int]
+
+
+Command = AddCommand | AbortCommand | FlushCacheCommand
 
 
 class RequestStream:

@@ -36,6 +36,7 @@ from kvserve.server.async_engine import (
     RequestStream,
 )
 from kvserve.server.config import ServerConfig
+from kvserve.server.engine_records import WorkerInfo
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.protocol import PromptTokensDetails, Usage, _SamplingRequest
 from kvserve.tokenizer import Tokenizer
@@ -64,6 +65,7 @@ class Served:
     # where tokenizing, templating and validating run, off the event loop (None: asyncio's
     # default executor)
     executor: Executor | None = None
+    info: WorkerInfo | None = None  # what /server_info tells a router (server/worker_routes.py)
 
     @property
     def max_model_len(self) -> int:
