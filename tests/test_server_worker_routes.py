@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,7 +138,8 @@ def start_router(workers: list[ServerProcess], log: Path) -> tuple[str, subproce
     port = free_port()
     argv = [str(ROUTER_PYTHON), "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--policy", "cache_aware", "--api-key", KEY]
-    argv += ["--health-check-interval-secs", "1", "--worker-urls", *[w.url for w in workers]]
+    argv += ["--health-check-interval-secs", "1", "--prometheus-port", str(free_port())]
+    argv += ["--worker-urls", *[w.url for w in workers]]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -189,3 +193,70 @@ def test_sglang_router_registers_the_model_and_routes_by_prefix(
             router.wait()
         for w in workers:
             w.stop()
+
+
+# -- kvserve cluster -----------------------------------------------------------------------------
+
+
+def test_cluster_serves_through_the_router_and_survives_a_killed_replica(
+    chat_checkpoint: Path, tmp_path: Path
+) -> None:
+    """`kvserve cluster --replicas 2`: the router registers both; the replica that holds the
+    shared prefix is killed mid-run and every request still succeeds (the router's retries and
+    health checks move them to the other); SIGTERM stops the whole set."""
+    if not ROUTER_PYTHON.exists() and not os.environ.get("CI"):
+        pytest.skip(f"sglang-router is not installed at {ROUTER_PYTHON}")
+    port = free_port()
+    serve = f"--model {chat_checkpoint} --served-model-name tiny-chat --dtype float32"
+    argv = [sys.executable, "-m", "kvserve.cli", "cluster", "--replicas", "2"]
+    argv += ["--port", str(port), "--router-python", str(ROUTER_PYTHON), "--serve-args", serve]
+    argv += ["--log-dir", str(tmp_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("kvserve cluster: logs in"):
+                break
+        assert proc.poll() is None, "".join(lines)
+        found = [
+            re.fullmatch(r"kvserve cluster: (replica-\d) (\S+) \(pid (\d+)\)", ln.strip())
+            for ln in lines
+        ]
+        pids = {m[1]: int(m[3]) for m in found if m}
+        urls = [m[2] for m in found if m]
+        assert len(pids) == 2 and len(urls) == 2, "".join(lines)
+        url = f"http://127.0.0.1:{port}"
+        system = "Shared instructions. " + " ".join(f"item{i}" for i in range(40))
+
+        def ask(c: httpx.Client, i: int) -> None:
+            body = {"model": "tiny-chat", "prompt": f"{system} q{i}", "max_tokens": 2}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, (i, r.status_code, r.text)
+
+        with httpx.Client(base_url=url, timeout=60) as c:
+            for i in range(4):
+                ask(c, i)
+            served = [_prompt_tokens(u) for u in urls]
+            busy = max(range(2), key=lambda j: served[j])
+            os.kill(pids[f"replica-{busy}"], signal.SIGKILL)  # the one holding the prefix
+            for i in range(4, 12):
+                ask(c, i)
+            assert _prompt_tokens(urls[1 - busy]) > 0  # the survivor served them
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        for pid in pids.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _prompt_tokens(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prompt_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no vllm:prompt_tokens_total at {url}")

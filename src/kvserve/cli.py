@@ -1,4 +1,4 @@
-"""kvserve command line: generate | chat | serve | verify | info.
+"""kvserve command line: generate | chat | serve | cluster | verify | info.
 
 The CLI owns the terminal: it parses flags, configures logging, prints. Everything it runs
 lives in the library. ``generate`` and ``chat`` run on the paged engine; ``generate
@@ -147,6 +147,33 @@ def build_parser() -> argparse.ArgumentParser:
     ]
     for flag, kind, name, doc in flags:
         s.add_argument(flag, type=kind, default=getattr(_SERVER, name), help=doc)
+
+    k = sub.add_parser(
+        "cluster", help="N `kvserve serve` replicas behind SGLang's cache-aware router"
+    )
+    k.add_argument("--replicas", type=int, default=2)
+    k.add_argument("--host", default="127.0.0.1", help="the router's address")
+    k.add_argument("--port", type=int, default=_SERVER.port, help="the router's port")
+    k.add_argument(
+        "--policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        help="the router's policy",
+    )
+    k.add_argument(
+        "--router-python",
+        default=None,
+        help="a Python with sglang-router installed (default: $KVSERVE_SGLANG_ROUTER_PYTHON, "
+        "else .peers/sglang-router/bin/python from scripts/setup_router.sh)",
+    )
+    k.add_argument(
+        "--router-args", default="", help="more sglang_router.launch_router flags, one string"
+    )
+    k.add_argument(
+        "--serve-args", default="", help="`kvserve serve` flags for every replica, one string"
+    )
+    k.add_argument("--log-dir", default=None, help="replica and router logs (default: a tmp dir)")
+    k.add_argument("--verbose", "-v", action="store_true")
 
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
     add_model_args(v)
@@ -311,6 +338,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cluster(args: argparse.Namespace) -> int:
+    from kvserve import cluster
+
+    return cluster.run(cluster.config_from_args(args))
+
+
 def read_api_keys(path: str | None) -> tuple[tuple[str, str], ...]:
     """--api-keys FILE as (key, tenant) pairs; () when not given."""
     if path is None:
@@ -348,13 +381,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    serving = args.command == "serve"
+    serving = args.command in ("serve", "cluster")
     logging.basicConfig(
         # the server logs every finished request and a periodic load line at INFO, with times
         level=logging.INFO if args.verbose or serving else logging.WARNING,
         format=("%(asctime)s " if serving else "") + "%(levelname)s %(name)s: %(message)s",
     )
     commands = {
+        "cluster": _cmd_cluster,
         "generate": _cmd_generate,
         "chat": _cmd_chat,
         "serve": _cmd_serve,
