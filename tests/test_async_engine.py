@@ -20,6 +20,7 @@ from kvserve.engine.request import RequestStatus
 from kvserve.sampling import RequestOutputKind, SamplingParams
 from kvserve.server.async_engine import (
     AsyncEngine,
+    EngineDeadError,
     ErrorEvent,
     OutputEvent,
     PromptSpec,
@@ -384,3 +385,23 @@ def test_health_is_wedged_during_a_stalled_step_and_dead_after_a_crash(
         asyncio.run(main())
     finally:
         loop.shutdown()
+
+
+def test_flush_prefix_cache_runs_on_the_loop_thread(session: ModelSession) -> None:
+    engine = make_engine(session)
+    loop = AsyncEngine(engine, max_queued_requests=10)
+    loop.start()
+
+    async def main() -> None:
+        await drain(loop.submit([spec(prompt=tuple(range(5, 14)))]))  # 9 tokens: 2 full blocks
+        assert await loop.flush_prefix_cache() == 2
+        assert await loop.flush_prefix_cache() == 0
+        assert engine.kv_manager.pool.cached == {}
+
+    try:
+        asyncio.run(main())
+    finally:
+        loop.shutdown()
+    assert_no_leaks(engine)
+    with pytest.raises(EngineDeadError, match="stopped"):
+        asyncio.run(loop.flush_prefix_cache())

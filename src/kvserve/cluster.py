@@ -57,11 +57,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 64:
             raise ValueError(f"--replicas must be in 1..64, got {self.replicas}")
-        if not self.router_python.exists():
-            raise FileNotFoundError(
-                f"no Python with sglang-router at {self.router_python}: run "
-                f"scripts/setup_router.sh, or pass --router-python (or set {ROUTER_PYTHON_ENV})"
-            )
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
 
 
 @dataclass(slots=True)
@@ -166,10 +163,19 @@ def stop(members: Sequence[Member], timeout_s: float = 15.0) -> None:
 
 def run(config: ClusterConfig) -> int:
     """Start the set and supervise it until SIGINT / SIGTERM or the router exits."""
+    if not config.router_python.exists():
+        raise FileNotFoundError(
+            f"no Python with sglang-router at {config.router_python}: run "
+            f"scripts/setup_router.sh, or pass --router-python (or set {ROUTER_PYTHON_ENV})"
+        )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health probe
-    stopping = []
+    stopping: list[bool] = []
     previous = signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    replicas, router = start(config)
+    try:
+        replicas, router = start(config)
+    except BaseException:
+        signal.signal(signal.SIGTERM, previous)
+        raise
     members = [router, *replicas]  # the router first: no request goes to a stopping replica
     print(f"kvserve cluster: router {router.url} (pid {router.proc.pid})", flush=True)
     for m in replicas:

@@ -274,6 +274,8 @@ class AsyncEngine(LoopFaults):
                 break
             if isinstance(command, AddCommand):
                 groups[id(command.group)] = command.group
+            elif isinstance(command, FlushCacheCommand) and not command.done.done():
+                command.done.set_exception(EngineDeadError(event.message))
         for group in groups.values():
             if not group.done:
                 group.done = True

@@ -24,7 +24,8 @@ from dataclasses import asdict
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from kvserve.server.engine_records import WorkerInfo
+from kvserve.server.engine_records import EngineDeadError, WorkerInfo
+from kvserve.server.errors import APIError
 from kvserve.server.serving import Served
 
 
@@ -88,7 +89,10 @@ def add_worker_routes(app: FastAPI, served: Callable[[], Served]) -> None:
         )
 
     async def flush_cache() -> JSONResponse:
-        dropped = await served().engine.flush_prefix_cache()
+        try:
+            dropped = await served().engine.flush_prefix_cache()
+        except EngineDeadError as e:  # the loop died or restarted first: nothing to flush now
+            raise APIError(503, str(e), code="engine_dead", headers={"Retry-After": "5"}) from e
         return JSONResponse(
             {
                 "success": True,
