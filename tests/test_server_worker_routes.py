@@ -250,9 +250,52 @@ def test_cluster_serves_through_the_router_and_survives_a_killed_replica(
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failed test: stop the set as a user would, then make sure
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its replicas and router get SIGTERM from the kernel (PDEATHSIG)
+                proc.wait()
+
+
+def test_cluster_members_die_with_a_killed_cluster(chat_checkpoint: Path, tmp_path: Path) -> None:
+    """A cluster process killed with SIGKILL runs no cleanup; its replicas and router still
+    go (each was started with PR_SET_PDEATHSIG)."""
+    if not ROUTER_PYTHON.exists() and not os.environ.get("CI"):
+        pytest.skip(f"sglang-router is not installed at {ROUTER_PYTHON}")
+    serve = f"--model {chat_checkpoint} --served-model-name tiny-chat --dtype float32"
+    argv = [sys.executable, "-m", "kvserve.cli", "cluster", "--replicas", "1"]
+    argv += ["--port", str(free_port()), "--router-python", str(ROUTER_PYTHON)]
+    argv += ["--serve-args", serve, "--log-dir", str(tmp_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    pids = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("kvserve cluster: ") and (m := re.search(r"\(pid (\d+)\)", line)):
+                pids.append(int(m[1]))
+            if line.startswith("kvserve cluster: logs in"):
+                break
+        assert len(pids) == 2, pids  # the router and one replica
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 30
+    for pid in pids:
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"pid {pid} outlived its cluster"
+            time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
 def _prompt_tokens(url: str) -> float:
