@@ -189,8 +189,12 @@ def test_sglang_router_registers_the_model_and_routes_by_prefix(
         assert sorted(served)[0] == 0, served
     finally:
         if router is not None:
-            router.kill()
-            router.wait()
+            router.terminate()
+            try:
+                router.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                router.kill()
+                router.wait()
         for w in workers:
             w.stop()
 
