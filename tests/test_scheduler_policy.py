@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from test_scheduler_stateful import FakeModel, drain, make_scheduler, run_step
+from test_scheduler_stateful import FakeModel, SchedulerMachine, drain, make_scheduler, run_step
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine.request import Request
@@ -109,3 +109,14 @@ def test_config_names_the_allowed_values() -> None:
         SchedulerConfig(scheduling_policy="sjf")
     with pytest.raises(ValueError, match="max_prefill_tokens_with_decodes.*0"):
         SchedulerConfig(max_prefill_tokens_with_decodes=0)
+
+
+class PrioritySchedulerMachine(SchedulerMachine):
+    """The same invariants under the server's defaults: the priority policy (a waiting request
+    may overtake a running prefill) and a prefill cap beside decodes."""
+
+    CONFIG = {"scheduling_policy": "priority", "max_prefill_tokens_with_decodes": 5}
+
+
+PrioritySchedulerMachine.TestCase.settings = SchedulerMachine.TestCase.settings
+TestPriorityScheduler = PrioritySchedulerMachine.TestCase

@@ -398,14 +398,3 @@ def test_no_prefix_caching_runs_clean():
     assert sched.kv.prefix_hits == 0
     assert sched.kv.pool.cached == {}
     assert_all_free(sched.kv)
-
-
-class PrioritySchedulerMachine(SchedulerMachine):
-    """The same invariants under the server's defaults: the priority policy (a waiting request
-    may overtake a running prefill) and a prefill cap beside decodes."""
-
-    CONFIG = {"scheduling_policy": "priority", "max_prefill_tokens_with_decodes": 5}
-
-
-PrioritySchedulerMachine.TestCase.settings = SchedulerMachine.TestCase.settings
-TestPriorityScheduler = PrioritySchedulerMachine.TestCase

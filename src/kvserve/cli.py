@@ -25,6 +25,9 @@ from kvserve.cli_args import (
     sampling_params,
     scheduler_config,
 )
+from kvserve.cluster import add_cluster_args
+from kvserve.cluster import config_from_args as cluster_config_from_args
+from kvserve.cluster import run as run_cluster
 from kvserve.config import EngineConfig
 from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
 from kvserve.engine.request import RequestOutput
@@ -148,32 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, name, doc in flags:
         s.add_argument(flag, type=kind, default=getattr(_SERVER, name), help=doc)
 
-    k = sub.add_parser(
-        "cluster", help="N `kvserve serve` replicas behind SGLang's cache-aware router"
+    add_cluster_args(
+        sub.add_parser(
+            "cluster", help="N `kvserve serve` replicas behind SGLang's cache-aware router"
+        ),
+        default_port=_SERVER.port,
     )
-    k.add_argument("--replicas", type=int, default=2)
-    k.add_argument("--host", default="127.0.0.1", help="the router's address")
-    k.add_argument("--port", type=int, default=_SERVER.port, help="the router's port")
-    k.add_argument(
-        "--policy",
-        default="cache_aware",
-        choices=["cache_aware", "round_robin", "random", "power_of_two"],
-        help="the router's policy",
-    )
-    k.add_argument(
-        "--router-python",
-        default=None,
-        help="a Python with sglang-router installed (default: $KVSERVE_SGLANG_ROUTER_PYTHON, "
-        "else .peers/sglang-router/bin/python from scripts/setup_router.sh)",
-    )
-    k.add_argument(
-        "--router-args", default="", help="more sglang_router.launch_router flags, one string"
-    )
-    k.add_argument(
-        "--serve-args", default="", help="`kvserve serve` flags for every replica, one string"
-    )
-    k.add_argument("--log-dir", default=None, help="replica and router logs (default: a tmp dir)")
-    k.add_argument("--verbose", "-v", action="store_true")
 
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
     add_model_args(v)
@@ -339,9 +322,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_cluster(args: argparse.Namespace) -> int:
-    from kvserve import cluster
-
-    return cluster.run(cluster.config_from_args(args))
+    return run_cluster(cluster_config_from_args(args))
 
 
 def read_api_keys(path: str | None) -> tuple[tuple[str, str], ...]:

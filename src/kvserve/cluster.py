@@ -13,6 +13,7 @@ prefix cache, exactly as it would run on its own machine.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import logging
 import os
@@ -222,7 +223,34 @@ def run(config: ClusterConfig) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def config_from_args(args) -> ClusterConfig:
+def add_cluster_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    """The `kvserve cluster` flags (cli.py owns the parser)."""
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--host", default="127.0.0.1", help="the router's address")
+    p.add_argument("--port", type=int, default=default_port, help="the router's port")
+    p.add_argument(
+        "--policy",
+        default="cache_aware",
+        choices=["cache_aware", "round_robin", "random", "power_of_two"],
+        help="the router's policy",
+    )
+    p.add_argument(
+        "--router-python",
+        default=None,
+        help="a Python with sglang-router installed (default: $KVSERVE_SGLANG_ROUTER_PYTHON, "
+        "else .peers/sglang-router/bin/python from scripts/setup_router.sh)",
+    )
+    p.add_argument(
+        "--router-args", default="", help="more sglang_router.launch_router flags, one string"
+    )
+    p.add_argument(
+        "--serve-args", default="", help="`kvserve serve` flags for every replica, one string"
+    )
+    p.add_argument("--log-dir", default=None, help="replica and router logs (default: a tmp dir)")
+    p.add_argument("--verbose", "-v", action="store_true")
+
+
+def config_from_args(args: argparse.Namespace) -> ClusterConfig:
     router_python = args.router_python or os.environ.get(ROUTER_PYTHON_ENV) or DEFAULT_ROUTER_PYTHON
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvserve-"))
     log_dir.mkdir(parents=True, exist_ok=True)

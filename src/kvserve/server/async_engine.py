@@ -39,7 +39,6 @@ dies: new submissions then raise ``EngineDeadError`` and ``alive`` turns False (
 from __future__ import annotations
 
 import asyncio
-import bisect
 import concurrent.futures
 import dataclasses
 import itertools
@@ -63,6 +62,7 @@ from kvserve.server.engine_records import (
     PromptSpec,
     QueueFullError,
 )
+from kvserve.server.feeding import Feeding
 from kvserve.server.loop_faults import LoopFaults
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_group import (
@@ -88,7 +88,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class AsyncEngine(LoopFaults):
+class AsyncEngine(LoopFaults, Feeding):
     def __init__(
         self,
         engine: LLMEngine,
@@ -303,55 +303,6 @@ class AsyncEngine(LoopFaults):
             else:
                 self._abort_group(command.group, command.reason)
 
-    def _feed(self) -> None:
-        """Hand the engine what its next step can admit, one prompt per group per turn.
-
-        A prompt is fed while the prompt tokens fed ahead of it and not yet started stay under
-        one step's budget. "Ahead" is every such prompt under fcfs/lpm, but only those of
-        equal or better priority under "priority": the engine will schedule this prompt before
-        the rest, so a batch's unstarted prompts never hold a single request out here."""
-        sched = self.engine.scheduler
-        seats = sched.config.max_num_seqs - len(sched.running) - len(sched.waiting)
-        budget = sched.config.max_num_batched_tokens
-        by_priority = sched.config.scheduling_policy == "priority"
-        # (priority, prompt tokens) of what was fed and has not started, best first
-        queued = sorted((r.priority, r.num_prompt_tokens) for r in self._not_started.values())
-        if not by_priority:
-            queued = [(0, sum(n for _, n in queued))]
-        turn = len(self._pending)  # groups not yet offered a prompt this turn
-        while self._pending and seats > 0 and turn > 0:
-            group = self._pending.popleft()
-            turn -= 1
-            if group.done:
-                continue  # aborted while waiting here; its count is already returned
-            # a batch's k-th prompt gets priority k: under the "priority" policy batches
-            # yield to single requests, and batches interleave prompt by prompt
-            i = group.num_fed
-            if _tokens_ahead(queued, i if by_priority else 0) >= budget:
-                self._pending.append(group)  # its turn comes again next step
-                continue
-            spec = group.prompts[i]
-            rid = group.request_ids[i]
-            try:
-                req = self.engine.add_request(
-                    spec.prompt_token_ids, spec.params, rid, group.cache_salt, priority=i
-                )
-            except ValueError as e:  # checked by the handler already; a last line of defence
-                self._abort_group(group, f"refused by the engine: {e}")
-                group.put(ErrorEvent(str(e), 400))
-                continue
-            group.num_fed += 1
-            self._groups[rid] = group
-            self._not_started[rid] = req
-            seats -= spec.params.n
-            if by_priority:
-                bisect.insort(queued, (i, len(spec.prompt_token_ids)))
-            else:
-                queued[0] = (0, queued[0][1] + len(spec.prompt_token_ids))
-            if group.num_fed < len(group.prompts):
-                self._pending.append(group)
-                turn += 1  # round-robin: offered again after every other group
-
     def _abort_group(self, group: RequestGroup, reason: str, in_engine: bool = True) -> None:
         """Abort every unfinished prompt of the group: O(its prompts), never O(all).
         ``in_engine=False`` leaves the engine's requests to the caller (a restart)."""
@@ -415,13 +366,3 @@ class AsyncEngine(LoopFaults):
         logger.warning("request %s: %s", group.group_id, reason)
         self._abort_group(group, "backpressure")
         group.put(ErrorEvent(f"the request was aborted: {reason}", 500))
-
-
-def _tokens_ahead(queued: list[tuple[int, int]], priority: int) -> int:
-    """Prompt tokens of the sorted ``queued`` (priority, tokens) at ``priority`` or better."""
-    total = 0
-    for p, n in queued:
-        if p > priority:
-            break
-        total += n
-    return total
