@@ -37,6 +37,8 @@ class Feeding:
         queued = sorted((r.priority, r.num_prompt_tokens) for r in self._not_started.values())
         if not by_priority:
             queued = [(0, sum(n for _, n in queued))]
+        if _tokens_ahead(queued, 0) >= budget:
+            return  # not even a group's first prompt fits: skip the O(groups) turn
         turn = len(self._pending)  # groups not yet offered a prompt this turn
         while self._pending and seats > 0 and turn > 0:
             group = self._pending.popleft()
