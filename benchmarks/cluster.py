@@ -125,7 +125,7 @@ def run_one(name: str, replicas: int, policy: str, prompts: list[str], args) -> 
     config = cluster.ClusterConfig(
         replicas=replicas,
         host="127.0.0.1",
-        port=cluster._free_port(),
+        port=cluster.free_port(),
         policy=policy,
         router_python=Path(args.router_python),
         router_args=(),

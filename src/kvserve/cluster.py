@@ -71,7 +71,7 @@ class Member:
     log_path: Path
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -129,7 +129,7 @@ def start(config: ClusterConfig) -> tuple[list[Member], Member]:
     try:
         replicas = []
         for i in range(config.replicas):
-            port = _free_port()
+            port = free_port()
             argv = [sys.executable, "-m", "kvserve.cli", "serve", *config.serve_args]
             argv += ["--host", "127.0.0.1", "--port", str(port)]
             member = _spawn(f"replica-{i}", argv, config.log_dir, f"http://127.0.0.1:{port}")
@@ -145,7 +145,7 @@ def start(config: ClusterConfig) -> tuple[list[Member], Member]:
                 argv += [flag, value]
         if "--prometheus-port" not in config.router_args:
             # its default (29000) is one fixed port: a second cluster on the machine would die
-            argv += ["--prometheus-port", str(_free_port())]
+            argv += ["--prometheus-port", str(free_port())]
         argv += [*config.router_args, "--worker-urls", *[m.url for m in replicas]]
         url = f"http://{config.host}:{config.port}"
         router = _spawn("router", argv, config.log_dir, url)
