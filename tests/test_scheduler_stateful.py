@@ -26,7 +26,9 @@ from kvserve.config import SchedulerConfig
 from kvserve.engine.output import append_token
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.prefix_cache import hash_block
 from kvserve.sampling import SamplingParams
 
 BLOCK_SIZE = 4
@@ -82,9 +84,10 @@ def make_scheduler(
     max_num_seqs: int = MAX_NUM_SEQS,
     max_batched: int = MAX_BATCHED,
     enable_prefix_caching: bool = True,
+    enable_kv_cache_events: bool = False,
     **config: object,
 ) -> Scheduler:
-    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching, enable_kv_cache_events)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched, **config)
     return Scheduler(sched, kv, MAX_MODEL_LEN)
 
@@ -168,6 +171,28 @@ def check_scheduler_state(sched: Scheduler, model: FakeModel) -> None:
         assert block.block_hash == h and len(block.token_ids) == bs
 
 
+def replay_events(state: dict[bytes, tuple[int, ...]], events, bs: int) -> None:
+    """Apply KV events as a subscriber would; a stored chain must link to what it names."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            assert len(event.token_ids) == bs * len(event.block_hashes)
+            assert event.block_size == bs
+            parent = event.parent_block_hash
+            for i, h in enumerate(event.block_hashes):
+                tokens = tuple(event.token_ids[i * bs : (i + 1) * bs])
+                # the chain is the engine's own: a first block may carry the salt "a"
+                salts = (b"", b"a") if parent is None else (b"",)
+                assert h in {hash_block(parent, tokens, salt) for salt in salts}
+                state[h] = tokens
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                del state[h]  # a removal names only what the index held
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            state.clear()
+
+
 def drain(sched: Scheduler, model: FakeModel, max_steps: int = 2000) -> int:
     tokens = itertools.cycle(range(VOCAB))
     steps = 0
@@ -184,8 +209,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sched = make_scheduler(**self.CONFIG)
+        self.sched = make_scheduler(enable_kv_cache_events=True, **self.CONFIG)
         self.kv = self.sched.kv
+        # what a KV-events subscriber knows: hash -> the tokens its BlockStored carried
+        self.replayed: dict[bytes, tuple[int, ...]] = {}
         self.model = FakeModel(self.sched)
         self.ids = itertools.count()
         self.all_requests: dict[str, Request] = {}
@@ -244,9 +271,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.sched.finish(done[0], RequestStatus.FINISHED_ABORTED)
             assert self.kv.pool.num_used_blocks == used
 
+    @rule()
+    def flush_prefix_cache(self):
+        held = {b.block_hash for b in self.kv.pool.blocks if b.ref_cnt > 0 and b.block_hash}
+        self.kv.pool.reset_prefix_cache()
+        assert set(self.kv.pool.cached) <= held, "a flush keeps only held blocks' hashes"
+
     @invariant()
     def consistent(self):
         check_scheduler_state(self.sched, self.model)
+
+    @invariant()
+    def kv_events_replay_to_the_index(self):
+        replay_events(self.replayed, self.kv.take_events(), self.kv.block_size)
+        cached = self.kv.pool.cached
+        assert set(self.replayed) == set(cached)
+        for h, tokens in self.replayed.items():
+            assert cached[h].token_ids == tokens
 
     def teardown(self):
         drain(self.sched, self.model)

@@ -25,6 +25,8 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes; None: num_blocks, or DEFAULT_KV_CACHE_MEMORY
     num_blocks: int | None = None  # overrides kv_cache_memory
     enable_prefix_caching: bool = True
+    # record every change to the prefix-cache index (kv/events.py) for a KV-events publisher
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)

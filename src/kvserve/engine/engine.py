@@ -24,6 +24,7 @@ from kvserve.engine.output import append_token, make_output
 from kvserve.engine.prompt_logprobs import add_prompt_logprobs
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.events import KVCacheEvent
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
@@ -82,7 +83,10 @@ class LLMEngine:
         )
         self.storage = KVCacheStorage(self.spec, num_blocks, model.device)
         self.kv_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            cache_config.enable_kv_cache_events,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
         self.limits = RequestLimits(
@@ -316,6 +320,11 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv_manager.check_integrity()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache index changes since the last call (kv/events.py); empty unless
+        ``CacheConfig.enable_kv_cache_events``."""
+        return self.kv_manager.take_events()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request holds (vLLM's reset_prefix_cache, but

@@ -9,6 +9,8 @@ Invariants (``check_integrity`` asserts them):
 - every entry of the hash index points at a block carrying that hash; a free block may keep
   its hash (it is still a prefix-cache hit until evicted).
 
+Every change to the hash index is recorded in ``events`` (kv/events.py) when enabled.
+
 Eviction order: the free queue is least-recently-freed first. A request frees its blocks tail
 first, so among one request's blocks the tail is evicted before the head (a later request is
 more likely to share the head: the system prompt). Taking a block off the head of the queue for
@@ -20,12 +22,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvserve.kv.events import KVEventLog
+
 
 @dataclass(slots=True, eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None  # set once the block is full and registered
+    parent_hash: bytes | None = None  # the previous block's hash (None: a first block)
     token_ids: tuple[int, ...] = ()  # the tokens a cached block holds: checked on every hit
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
@@ -75,11 +80,14 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events = events if events is not None else KVEventLog()
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}  # block hash -> the block holding it
@@ -111,10 +119,17 @@ class BlockPool:
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            self._unhash(block, record=True)
             self.num_evictions += 1
+
+    def _unhash(self, block: KVBlock, record: bool) -> None:
+        """Forget the block's hash (and its index entry, if the entry is this block)."""
+        h = block.block_hash
+        if h is not None and self.cached.get(h) is block:
+            del self.cached[h]
+            if record and self.events.enabled:
+                self.events.removed(h)
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     def get_cached_block(self, block_hash: bytes, token_ids: tuple[int, ...]) -> KVBlock | None:
         """The block holding this hash, if its tokens are exactly ``token_ids``."""
@@ -131,13 +146,20 @@ class BlockPool:
             block.ref_cnt += 1
 
     def cache_full_block(
-        self, block: KVBlock, block_hash: bytes, token_ids: tuple[int, ...]
+        self,
+        block: KVBlock,
+        block_hash: bytes,
+        token_ids: tuple[int, ...],
+        parent_hash: bytes | None = None,
     ) -> None:
         """Register a block that just became full. First writer wins for a given hash."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        block.block_hash, block.token_ids = block_hash, token_ids
-        self.cached.setdefault(block_hash, block)
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            if self.events.enabled:
+                self.events.stored(block_hash, parent_hash, token_ids)
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
         """Drop one reference each; blocks reaching 0 join the free queue in this order
@@ -157,16 +179,29 @@ class BlockPool:
         dropped = 0
         for block in blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+                self._unhash(block, record=True)
                 dropped += 1
         return dropped
 
     def reset_prefix_cache(self) -> int:
         """Drop the hash of every free cached block; held blocks keep theirs. Returns how
-        many were dropped (not counted as evictions)."""
-        return self.uncache(self.blocks)
+        many were dropped (not counted as evictions). One ``AllBlocksCleared`` event if the
+        index ends empty, else a ``BlockRemoved`` of the dropped hashes."""
+        dropped = 0
+        removed = []
+        for block in self.blocks:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    removed.append(block.block_hash)
+                self._unhash(block, record=False)
+                dropped += 1
+        if self.events.enabled and removed:
+            if self.cached:
+                for h in removed:
+                    self.events.removed(h)
+            else:
+                self.events.cleared()
+        return dropped
 
     def check_integrity(self) -> None:
         free = list(self.free_queue)

@@ -14,6 +14,9 @@ Calls and what the caller does next (the scheduler is the only caller):
 - ``fork(parent, child)``: the child shares all of the parent's blocks (n > 1 samples of one
   prompt); ``prepare_write`` later gives a writer its own copy of a shared partial block.
 - ``reset()``: after a failure that broke the bookkeeping (engine/faults.py), start over.
+
+``events`` (kv/events.py) records every change to the prefix-cache index when
+``enable_kv_cache_events``; ``take_events`` hands them to a publisher.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.events import KVCacheEvent, KVEventLog
 from kvserve.kv.prefix_cache import block_hashes
 
 
@@ -35,13 +39,19 @@ class CacheRequest(Protocol):
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        # one log for the manager's life: a rebuilt pool (reset) records into it too
+        self.events = KVEventLog(enabled=enable_kv_cache_events and enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, self.events)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already registered
         self.prefix_queries = 0  # tokens looked up in the prefix cache
@@ -123,7 +133,8 @@ class KVCacheManager:
         for i in range(start, num_full):
             lo = i * self.block_size
             tokens = tuple(req.all_token_ids[lo : lo + self.block_size])
-            self.pool.cache_full_block(blocks[i], req.block_hashes[i], tokens)
+            parent = req.block_hashes[i - 1] if i > 0 else None
+            self.pool.cache_full_block(blocks[i], req.block_hashes[i], tokens, parent)
         self.num_cached_blocks[req.request_id] = num_full
 
     def free(self, req: CacheRequest) -> None:
@@ -164,9 +175,15 @@ class KVCacheManager:
         """Forget every block table and the whole prefix cache: a fresh pool of the same size,
         for when a failure left the bookkeeping inconsistent. The storage needs nothing: no
         block is read before it is written again. The prefix-cache counters keep counting."""
-        self.pool = BlockPool(self.pool.num_blocks, self.enable_prefix_caching)
+        self.pool = BlockPool(self.pool.num_blocks, self.enable_prefix_caching, self.events)
         self.req_to_blocks.clear()
         self.num_cached_blocks.clear()
+        if self.events.enabled:
+            self.events.cleared()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix-cache index changes since the last call (empty when events are off)."""
+        return self.events.take()
 
     @property
     def usage(self) -> float:

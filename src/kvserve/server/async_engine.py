@@ -47,10 +47,11 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvserve.engine.engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request, RequestOutput
+from kvserve.kv.events import KVCacheEvent
 from kvserve.server.engine_log import log_finished, log_stats, observe
 from kvserve.server.engine_records import (
     EngineDeadError,
@@ -100,6 +101,7 @@ class AsyncEngine(LoopFaults, Feeding):
         max_consecutive_step_failures: int = 3,
         max_restarts: int = 3,
         restart_window_s: float = 60.0,
+        publish_kv_events: Callable[[list[KVCacheEvent]], None] | None = None,
     ) -> None:
         if max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
@@ -128,6 +130,8 @@ class AsyncEngine(LoopFaults, Feeding):
         self.log_interval_s = log_interval_s
         self.max_stream_buffer_events = max_stream_buffer_events
         self.health_stall_timeout_s = health_stall_timeout_s
+        # called on the loop thread with each batch of prefix-cache index changes
+        self.publish_kv_events = publish_kv_events
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -288,6 +292,11 @@ class AsyncEngine(LoopFaults, Feeding):
         self._num_preempted_waiting = max(0, len(sched.waiting) - len(self._not_started))
         self._stats = self.engine.stats()
         self._heartbeat = time.monotonic()
+        if self.publish_kv_events is not None:
+            # after every step, flush and restart: a subscriber is one batch behind at most
+            events = self.engine.take_kv_events()
+            if events:
+                self.publish_kv_events(events)
 
     def _drain_commands(self) -> None:
         while True:

@@ -10,11 +10,56 @@ from dataclasses import dataclass
 from kvserve.server.tenants import tenant_keys
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt that fits a context window
+_SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a KV events endpoint may use
 
 
 def _at_least(name: str, value: int | float, low: int | float) -> None:
     if not value >= low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventsConfig:
+    endpoint: str = "tcp://*:5557"  # vLLM's default
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (messages queued per subscriber)
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(_SCHEMES):
+                raise ValueError(
+                    f"{name} must start with one of {', '.join(_SCHEMES)}, got {value!r}"
+                )
+            if value is not None and value.startswith("tcp://"):
+                port = value.rpartition(":")[2]
+                if not port.isdigit() or not 0 < int(port) <= 65535:
+                    raise ValueError(f"{name} must end in a port (1-65535), got {value!r}")
+        if self.buffer_steps < 1 or self.hwm < 1:
+            raise ValueError(
+                f"buffer_steps and hwm must be >= 1, got {self.buffer_steps} and {self.hwm}"
+            )
+
+    def for_replica(self, index: int) -> KVEventsConfig:
+        """Replica ``index``'s endpoints: tcp ports + index (vLLM's data-parallel rule)."""
+
+        def shift(endpoint: str | None) -> str | None:
+            if endpoint is None or index == 0:
+                return endpoint
+            if endpoint.startswith("tcp://"):
+                base, _, port = endpoint.rpartition(":")
+                return f"{base}:{int(port) + index}"
+            return f"{endpoint}_dp{index}"
+
+        return KVEventsConfig(
+            shift(self.endpoint),
+            shift(self.replay_endpoint),
+            self.topic,
+            self.buffer_steps,
+            self.hwm,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +91,8 @@ class ServerConfig:
     max_consecutive_step_failures: int = 3
     max_restarts: int = 3
     restart_window_s: float = 60.0
+    # publish prefix-cache changes over ZMQ in vLLM's format (server/kv_events.py); None: off
+    kv_events: KVEventsConfig | None = None
 
     @property
     def tenant_keys(self) -> dict[str, str]:

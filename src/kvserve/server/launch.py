@@ -6,9 +6,11 @@ load stops the server with that error.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,13 +62,20 @@ def load_served(
         engine_config.device,
         quantization=engine_config.quantization,
     )
+    cache = engine_config.cache
+    if server_config.kv_events is not None:
+        cache = dataclasses.replace(cache, enable_kv_cache_events=True)
     engine = LLMEngine.from_session(
-        session,
-        engine_config.cache,
-        engine_config.scheduler,
-        engine_config.enforce_eager,
-        faults,
+        session, cache, engine_config.scheduler, engine_config.enforce_eager, faults
     )
+    closers: list[Callable[[], None]] = []
+    publish = None
+    if server_config.kv_events is not None:
+        from kvserve.server.kv_events import ZmqEventPublisher  # zmq only when asked for
+
+        publisher = ZmqEventPublisher(server_config.kv_events)
+        publish = publisher.publish
+        closers.append(publisher.shutdown)
     loop = AsyncEngine(
         engine,
         metrics,
@@ -77,6 +86,7 @@ def load_served(
         max_consecutive_step_failures=server_config.max_consecutive_step_failures,
         max_restarts=server_config.max_restarts,
         restart_window_s=server_config.restart_window_s,
+        publish_kv_events=publish,
     )
     loop.start()
     info = WorkerInfo(
@@ -104,6 +114,7 @@ def load_served(
             server_config.preprocess_threads, thread_name_prefix="kvserve-preprocess"
         ),
         info=info,
+        closers=closers,
     )
 
 

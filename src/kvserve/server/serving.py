@@ -66,6 +66,8 @@ class Served:
     # default executor)
     executor: Executor | None = None
     info: WorkerInfo | None = None  # what /server_info tells a router (server/worker_routes.py)
+    # run in order once the engine loop has stopped (the KV events publisher's shutdown)
+    closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def max_model_len(self) -> int:
@@ -86,6 +88,11 @@ class Served:
         self.engine.shutdown()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
+        for close in self.closers:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - one failing closer must not skip the others
+                logger.exception("closing %s failed", close)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

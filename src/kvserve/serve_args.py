@@ -1,0 +1,155 @@
+"""`kvserve serve`'s flags and the ServerConfig built from them (the engine's flags are in
+cli_args.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvserve.cli_args import add_engine_args, add_model_args
+from kvserve.server.config import KVEventsConfig, ServerConfig
+from kvserve.server.tenants import parse_api_keys
+
+_SERVER = ServerConfig()
+
+
+def add_serve_args(s: argparse.ArgumentParser) -> None:
+    add_model_args(s)
+    add_engine_args(s, serving=True)
+    s.add_argument("--host", default=_SERVER.host)
+    s.add_argument("--port", type=int, default=_SERVER.port)
+    s.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint"
+    )
+    s.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help="one 'KEY TENANT' per line: each key's tenant gets a prefix cache of its own",
+    )
+    s.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: file name)"
+    )
+    s.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=_SERVER.max_queued_requests,
+        help="sequences (n x prompts) waiting to start; beyond it requests get 503 with "
+        "Retry-After",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=_SERVER.max_body_bytes,
+        help="larger request bodies get 413",
+    )
+    s.add_argument(
+        "--log-interval",
+        type=float,
+        default=_SERVER.log_interval_s,
+        help="seconds between the running/waiting/KV usage log lines",
+    )
+    flags = [
+        ("--max-prompts-per-request", int, "max_prompts_per_request", "prompts in one request"),
+        (
+            "--max-prompt-tokens-per-request",
+            int,
+            "max_prompt_tokens_per_request",
+            "prompt tokens of one request, all prompts together",
+        ),
+        ("--max-stop-strings", int, "max_stop_strings", "stop strings in one request"),
+        ("--max-stop-chars", int, "max_stop_chars", "total length of one request's stop strings"),
+        (
+            "--max-stream-buffer-events",
+            int,
+            "max_stream_buffer_events",
+            "unread events per sequence after which a stalled stream is aborted",
+        ),
+        (
+            "--health-stall-timeout-s",
+            float,
+            "health_stall_timeout_s",
+            "/health answers 503 when no engine step finished for this long while work waits",
+        ),
+        ("--preprocess-threads", int, "preprocess_threads", "threads tokenizing requests"),
+        (
+            "--max-consecutive-step-failures",
+            int,
+            "max_consecutive_step_failures",
+            "failed engine steps in a row that restart the engine loop",
+        ),
+        (
+            "--max-restarts",
+            int,
+            "max_restarts",
+            "loop restarts allowed within --restart-window-s; one more stops the engine",
+        ),
+        ("--restart-window-s", float, "restart_window_s", "the window --max-restarts counts in"),
+    ]
+    for flag, kind, name, doc in flags:
+        s.add_argument(flag, type=kind, default=getattr(_SERVER, name), help=doc)
+    add_kv_events_args(s)
+
+
+def add_kv_events_args(s: argparse.ArgumentParser) -> None:
+    e = s.add_argument_group("KV events (vLLM's format over ZMQ, for routers that track caches)")
+    e.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="publish every prefix-cache change here, e.g. tcp://*:5557 (bound: with * the "
+        "events, prompt token ids included, are open on every interface) or ipc:///tmp/kv; "
+        "a plain tcp://host:port is connected to, as vLLM does. Default: off",
+    )
+    e.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="a ROUTER socket where subscribers fetch missed batches by sequence number",
+    )
+    e.add_argument("--kv-events-topic", default="", help="the topic frame of every message")
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    if args.kv_events_endpoint is None:
+        if args.kv_events_replay_endpoint is not None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint")
+        return None
+    return KVEventsConfig(
+        args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_topic
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        api_keys=read_api_keys(args.api_keys),
+        served_model_name=args.served_model_name,
+        max_queued_requests=args.max_queued_requests,
+        max_body_bytes=args.max_body_bytes,
+        log_interval_s=args.log_interval,
+        max_prompts_per_request=args.max_prompts_per_request,
+        max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_chars,
+        max_stream_buffer_events=args.max_stream_buffer_events,
+        health_stall_timeout_s=args.health_stall_timeout_s,
+        preprocess_threads=args.preprocess_threads,
+        max_consecutive_step_failures=args.max_consecutive_step_failures,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window_s,
+        kv_events=kv_events_config(args),
+    )
+
+
+def read_api_keys(path: str | None) -> tuple[tuple[str, str], ...]:
+    """--api-keys FILE as (key, tenant) pairs; () when not given."""
+    if path is None:
+        return ()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--api-keys: cannot read {path}: {e.strerror}") from e
+    return tuple(parse_api_keys(text.splitlines(), f"--api-keys {path}").items())
