@@ -89,6 +89,13 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     for flag, kind, name, doc in flags:
         s.add_argument(flag, type=kind, default=getattr(_SERVER, name), help=doc)
     add_kv_events_args(s)
+    s.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="save the prefix cache here at shutdown (and on POST /save_cache), reload it at "
+        "start if it was saved by the same weights, dtypes, block size and tokenizer",
+    )
 
 
 def add_kv_events_args(s: argparse.ArgumentParser) -> None:
@@ -141,6 +148,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window_s,
         kv_events=kv_events_config(args),
+        prefix_cache_dir=args.prefix_cache_dir,
     )
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
 from kvserve.engine.compiled_steps import compile_model
@@ -24,8 +25,10 @@ from kvserve.engine.output import append_token, make_output
 from kvserve.engine.prompt_logprobs import add_prompt_logprobs
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kv import persist
 from kvserve.kv.events import KVCacheEvent
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.persist import CacheSnapshot, PersistReport
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.config import ModelConfig
@@ -325,6 +328,17 @@ class LLMEngine:
         """The prefix-cache index changes since the last call (kv/events.py); empty unless
         ``CacheConfig.enable_kv_cache_events``."""
         return self.kv_manager.take_events()
+
+    def snapshot_prefix_cache(self) -> CacheSnapshot:
+        """A copy of every cached block (hashes, tokens, K/V) to write with ``kv.persist``."""
+        return persist.snapshot(self.kv_manager.pool, self.storage)
+
+    def load_prefix_cache(self, directory: Path, fingerprint: Mapping[str, str]) -> PersistReport:
+        """Reload a saved prefix cache into free blocks if its fingerprint is this engine's
+        (``cache_fingerprint``); a refused file loads nothing and the report says why."""
+        if not self.kv_manager.enable_prefix_caching:
+            return PersistReport(Path(directory), 0, 0, "prefix caching is off")
+        return persist.load(self.kv_manager.pool, self.storage, directory, fingerprint)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request holds (vLLM's reset_prefix_cache, but

@@ -203,6 +203,35 @@ class BlockPool:
                 self.events.cleared()
         return dropped
 
+    def cached_in_eviction_order(self) -> list[KVBlock]:
+        """Every indexed block, the next to be evicted first: the free queue's, then those
+        held by requests (most recently used last)."""
+        free = [
+            b
+            for b in self.free_queue
+            if b.block_hash is not None and self.cached.get(b.block_hash) is b
+        ]
+        held = [b for b in self.cached.values() if b.ref_cnt > 0]
+        return free + held
+
+    def restore(self, entries: list[tuple[bytes, bytes | None, tuple[int, ...]]]) -> list[KVBlock]:
+        """Index free blocks for ``(hash, parent hash, token ids)`` entries, the first to be
+        evicted first, as a reloaded prefix cache; returns the blocks, one per entry, for the
+        caller to fill with the saved K/V. Needs that many free blocks, and hashes not
+        already indexed."""
+        if not self.enable_caching:
+            raise ValueError("prefix caching is off: there is no cache to restore into")
+        if len(entries) > self.num_free_blocks:
+            raise ValueError(f"{len(entries)} blocks to restore, {self.num_free_blocks} free")
+        hashes = {e[0] for e in entries}
+        if len(hashes) < len(entries) or not hashes.isdisjoint(self.cached):
+            raise ValueError("restored block hashes must be new to the prefix cache and unique")
+        blocks = self.get_new_blocks(len(entries))
+        for block, (block_hash, parent, tokens) in zip(blocks, entries, strict=True):
+            self.cache_full_block(block, block_hash, tokens, parent)
+        self.free_blocks(blocks)  # evictable, in entry order
+        return blocks
+
     def check_integrity(self) -> None:
         free = list(self.free_queue)
         assert len(free) == self.free_queue.num_free, "free queue count out of sync"

@@ -16,12 +16,12 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-_ROOT = b"kvserve-prefix-cache-v1"
+HASH_ROOT = b"kvserve-prefix-cache-v1"
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
     h = hashlib.sha256()
-    h.update(parent if parent is not None else _ROOT)
+    h.update(parent if parent is not None else HASH_ROOT)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     h.update(struct.pack("<q", len(extra_keys)))
     h.update(extra_keys)

@@ -8,7 +8,8 @@ the step), reads through a request's block table.
     token positions  0 1 2 3 | 4 5 6 7 | 8 9
     slots           28 .. 31 | 8 .. 11 | 36 37
 
-The interface (``write``, ``key_cache`` / ``value_cache``, ``copy_blocks``, ``nbytes``) is what a
+The interface (``write``, ``key_cache`` / ``value_cache``, ``copy_blocks``, ``read_blocks`` /
+``write_blocks`` (a saved prefix cache), ``nbytes``) is what a
 quantized variant (codes + per-group scales, K and V in different dtypes), a sliding-window
 variant or a latent (MLA) variant implements differently behind the same calls.
 """
@@ -53,6 +54,25 @@ class KVCacheStorage:
         flat = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         self.kv[0, layer].view(flat).index_copy_(0, slot_mapping, k.to(self.spec.dtype))
         self.kv[1, layer].view(flat).index_copy_(0, slot_mapping, v.to(self.spec.dtype))
+
+    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """These blocks' contents in every layer, as named CPU tensors whose first dim is the
+        block (what a saved prefix cache holds; a quantized layout would add its scales):
+        ``kv`` is (len(block_ids), 2, num_layers, block_size, num_kv_heads, head_dim)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        return {"kv": self.kv[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()}
+
+    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of ``read_blocks``: ``tensors`` as it returned them, into these blocks."""
+        kv = tensors["kv"]
+        expected = (len(block_ids), *self.kv.shape[:2], *self.kv.shape[3:])
+        if tuple(kv.shape) != expected or kv.dtype != self.kv.dtype:
+            raise ValueError(
+                f"blocks of shape {tuple(kv.shape)} {kv.dtype} do not fit this cache's "
+                f"{expected} {self.kv.dtype}"
+            )
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        self.kv[:, :, ids] = kv.permute(1, 2, 0, 3, 4, 5).to(self.kv.device)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write of a shared block)."""

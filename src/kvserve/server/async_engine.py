@@ -48,6 +48,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvserve.engine.engine import EngineStats, LLMEngine
 from kvserve.engine.request import Request, RequestOutput
@@ -69,8 +70,8 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_group import (
     AbortCommand,
     AddCommand,
+    CallCommand,
     Command,
-    FlushCacheCommand,
     RequestGroup,
     RequestStream,
 )
@@ -87,6 +88,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine(LoopFaults, Feeding):
@@ -227,14 +229,24 @@ class AsyncEngine(LoopFaults, Feeding):
         return stream
 
     async def flush_prefix_cache(self) -> int:
-        """Drop every cached block no request holds, on the loop thread (the engine is
-        single-threaded); returns how many. Running requests' blocks are never touched."""
+        """Drop every cached block no request holds; returns how many. Running requests'
+        blocks are never touched."""
+        return await self.call(LLMEngine.reset_prefix_cache)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` on the loop thread between two steps (the engine is
+        single-threaded); raises EngineDeadError if the loop stops or restarts first."""
         if not self.alive:
             raise EngineDeadError(f"the engine loop has stopped: {self.error!r}")
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._commands.put(FlushCacheCommand(done))
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put(CallCommand(fn, done))
         self._wake.set()
         return await asyncio.wrap_future(done)
+
+    @property
+    def loop_stopped(self) -> bool:
+        """The loop thread has exited: the engine is the caller's to touch now."""
+        return not self._thread.is_alive()
 
     def abort(self, group: RequestGroup, reason: str = "the client went away") -> None:
         self._commands.put(AbortCommand(group, reason))
@@ -278,7 +290,7 @@ class AsyncEngine(LoopFaults, Feeding):
                 break
             if isinstance(command, AddCommand):
                 groups[id(command.group)] = command.group
-            elif isinstance(command, FlushCacheCommand) and not command.done.done():
+            elif isinstance(command, CallCommand) and not command.done.done():
                 command.done.set_exception(EngineDeadError(event.message))
         for group in groups.values():
             if not group.done:
@@ -306,9 +318,12 @@ class AsyncEngine(LoopFaults, Feeding):
                 return
             if isinstance(command, AddCommand):
                 self._pending.append(command.group)
-            elif isinstance(command, FlushCacheCommand):
+            elif isinstance(command, CallCommand):
                 if not command.done.done():
-                    command.done.set_result(self.engine.reset_prefix_cache())
+                    try:
+                        command.done.set_result(command.fn(self.engine))
+                    except Exception as e:  # noqa: BLE001 - the caller gets it, the loop goes on
+                        command.done.set_exception(e)
             else:
                 self._abort_group(command.group, command.reason)
 

@@ -93,6 +93,9 @@ class ServerConfig:
     restart_window_s: float = 60.0
     # publish prefix-cache changes over ZMQ in vLLM's format (server/kv_events.py); None: off
     kv_events: KVEventsConfig | None = None
+    # where the prefix cache is saved at shutdown (and on POST /save_cache) and reloaded at
+    # start when its fingerprint matches (kv/persist.py); None: not kept
+    prefix_cache_dir: str | None = None
 
     @property
     def tenant_keys(self) -> dict[str, str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import uvicorn
 
+from kvserve.cache_fingerprint import cache_fingerprint
 from kvserve.config import EngineConfig
 from kvserve.default_model import default_model_path
 from kvserve.engine.engine import LLMEngine
@@ -25,6 +26,7 @@ from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_records import WorkerInfo
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.prefix_cache_dir import PrefixCacheDir
 from kvserve.server.serving import Served
 from kvserve.session import ModelSession
 
@@ -70,6 +72,12 @@ def load_served(
     )
     closers: list[Callable[[], None]] = []
     publish = None
+    cache_dir = None
+    if server_config.prefix_cache_dir is not None:
+        fingerprint = cache_fingerprint(session, engine.spec, engine_config.quantization)
+        cache_dir = PrefixCacheDir(Path(server_config.prefix_cache_dir), fingerprint)
+        # with KV events on, the restored blocks go out as BlockStored in the loop's first batch
+        cache_dir.load(engine)
     if server_config.kv_events is not None:
         from kvserve.server.kv_events import ZmqEventPublisher  # zmq only when asked for
 
@@ -89,6 +97,8 @@ def load_served(
         publish_kv_events=publish,
     )
     loop.start()
+    if cache_dir is not None:
+        closers.insert(0, lambda: cache_dir.save_at_shutdown(loop))
     info = WorkerInfo(
         model_path=str(engine_config.model or session.path),
         served_model_name=model_name,
@@ -115,6 +125,7 @@ def load_served(
         ),
         info=info,
         closers=closers,
+        prefix_cache_dir=cache_dir,
     )
 
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.server.engine_records import ErrorEvent, Event, PromptSpec
 
 if TYPE_CHECKING:
+    from kvserve.engine.engine import LLMEngine
     from kvserve.server.async_engine import AsyncEngine
 
 
@@ -75,13 +76,14 @@ class AbortCommand:
 
 
 @dataclass(frozen=True, slots=True)
-class FlushCacheCommand:
-    """Drop the evictable prefix cache; ``done`` gets the number of blocks dropped."""
+class CallCommand:
+    """Run ``fn(engine)`` on the loop thread between steps; ``done`` gets its result."""
 
-    done: concurrent.futures.Future[int]
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future[Any]
 
 
-Command = AddCommand | AbortCommand | FlushCacheCommand
+Command = AddCommand | AbortCommand | CallCommand
 
 
 class RequestStream:

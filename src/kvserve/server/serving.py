@@ -38,6 +38,7 @@ from kvserve.server.async_engine import (
 from kvserve.server.config import ServerConfig
 from kvserve.server.engine_records import WorkerInfo
 from kvserve.server.errors import APIError, bad_request
+from kvserve.server.prefix_cache_dir import PrefixCacheDir
 from kvserve.server.protocol import PromptTokensDetails, Usage, _SamplingRequest
 from kvserve.tokenizer import Tokenizer
 
@@ -68,6 +69,7 @@ class Served:
     info: WorkerInfo | None = None  # what /server_info tells a router (server/worker_routes.py)
     # run in order once the engine loop has stopped (the KV events publisher's shutdown)
     closers: list[Callable[[], None]] = field(default_factory=list)
+    prefix_cache_dir: PrefixCacheDir | None = None  # --prefix-cache-dir, for POST /save_cache
 
     @property
     def max_model_len(self) -> int:

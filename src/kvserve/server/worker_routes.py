@@ -11,6 +11,9 @@ stack) ask a replica, answered as SGLang's and vLLM's servers answer it.
 - ``/flush_cache`` (POST, as SGLang; GET too, as its older servers): drops the evictable
   prefix cache on the engine thread. Blocks of running requests are never touched; the
   answer says how many cached blocks were dropped.
+- ``/save_cache`` (POST; kvserve's own, with ``--prefix-cache-dir``): writes the prefix cache
+  to disk now (server/prefix_cache_dir.py), as shutdown does; the answer says how many
+  blocks and bytes.
 
 Every path sits behind the API key like the rest of the server (the router sends its own
 ``--api-key`` to workers as a bearer token).
@@ -102,3 +105,23 @@ def add_worker_routes(app: FastAPI, served: Callable[[], Served]) -> None:
         )
 
     app.add_api_route("/flush_cache", flush_cache, methods=["POST", "GET"])
+
+    @app.post("/save_cache")
+    async def save_cache() -> JSONResponse:
+        s = served()
+        if s.prefix_cache_dir is None:
+            raise APIError(
+                400, "this server keeps no prefix cache on disk: start it with --prefix-cache-dir"
+            )
+        try:
+            report = await s.prefix_cache_dir.save(s.engine)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_dead", headers={"Retry-After": "5"}) from e
+        return JSONResponse(
+            {
+                "success": True,
+                "num_blocks_saved": report.num_blocks,
+                "bytes": report.nbytes,
+                "path": str(report.path),
+            }
+        )
