@@ -273,3 +273,22 @@ def test_a_real_server_publishes_its_prompt_blocks(chat_checkpoint: Path, tmp_pa
         server.stop()
         sub.close(linger=0)
         ctx.term()
+
+
+def test_each_cluster_replica_gets_its_own_endpoint_and_cache_dir() -> None:
+    from kvserve.cluster import replica_serve_args
+
+    args = ["--kv-events-endpoint", "tcp://*:5557", "--prefix-cache-dir=/d", "--dtype", "float32"]
+    assert replica_serve_args(args, 0) == [
+        "--kv-events-endpoint", "tcp://*:5557", "--prefix-cache-dir=/d/replica-0", "--dtype", "float32",
+    ]  # fmt: skip
+    assert replica_serve_args(args, 2)[:3] == [
+        "--kv-events-endpoint", "tcp://*:5559", "--prefix-cache-dir=/d/replica-2",
+    ]  # fmt: skip
+    assert replica_serve_args(["--kv-events-endpoint", "ipc:///tmp/kv"], 1) == [
+        "--kv-events-endpoint", "ipc:///tmp/kv_dp1",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="end in a port"):
+        KVEventsConfig("tcp://*:notaport")
+    with pytest.raises(ValueError, match="must start with one of"):
+        KVEventsConfig("http://localhost:5557")

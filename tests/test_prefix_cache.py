@@ -31,7 +31,9 @@ def test_digests_are_sha256_bytes():
         assert isinstance(d, bytes) and len(d) == 32
     assert len(set(hashes)) == 3
     # exactly sha256(parent, tokens as <q, len(extra) as <q, extra)
-    first = hashlib.sha256(HASH_ROOT + struct.pack("<4q", 0, 1, 2, 3) + struct.pack("<q", 0)).digest()
+    first = hashlib.sha256(
+        HASH_ROOT + struct.pack("<4q", 0, 1, 2, 3) + struct.pack("<q", 0)
+    ).digest()
     assert hashes[0] == first
     second = hashlib.sha256(first + struct.pack("<4q", 4, 5, 6, 7) + struct.pack("<q", 0)).digest()
     assert hashes[1] == second

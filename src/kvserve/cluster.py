@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +122,40 @@ def _router_key(router_args: Sequence[str]) -> dict[str, str]:
     return {}
 
 
+def replica_endpoint(endpoint: str, index: int) -> str:
+    """Replica ``index``'s KV events endpoint: a tcp port + index, else a ``_dp{index}``
+    suffix (vLLM's rule for its data-parallel ranks); replica 0 keeps the endpoint."""
+    if index == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + index}"
+    return f"{endpoint}_dp{index}"
+
+
+# `kvserve serve` flags that name a resource one process owns: each replica gets its own
+PER_REPLICA_FLAGS: dict[str, Callable[[str, int], str]] = {
+    "--kv-events-endpoint": replica_endpoint,
+    "--kv-events-replay-endpoint": replica_endpoint,
+    "--prefix-cache-dir": lambda d, i: str(Path(d) / f"replica-{i}"),
+}
+
+
+def replica_serve_args(args: Sequence[str], index: int) -> list[str]:
+    """Replica ``index``'s serve flags: its own KV events endpoints (port + index, as vLLM's
+    data-parallel ranks) and its own prefix-cache directory (DIR/replica-{index})."""
+    out = list(args)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag not in PER_REPLICA_FLAGS:
+            continue
+        if eq:
+            out[i] = f"{flag}={PER_REPLICA_FLAGS[flag](value, index)}"
+        elif i + 1 < len(out):
+            out[i + 1] = PER_REPLICA_FLAGS[flag](out[i + 1], index)
+    return out
+
+
 def start(config: ClusterConfig) -> tuple[list[Member], Member]:
     """Start the replicas, wait for their /health, then the router in front of them; returns
     (replicas, router). On failure everything started is stopped again."""
@@ -130,7 +164,8 @@ def start(config: ClusterConfig) -> tuple[list[Member], Member]:
         replicas = []
         for i in range(config.replicas):
             port = free_port()
-            argv = [sys.executable, "-m", "kvserve.cli", "serve", *config.serve_args]
+            serve_args = replica_serve_args(config.serve_args, i)
+            argv = [sys.executable, "-m", "kvserve.cli", "serve", *serve_args]
             argv += ["--host", "127.0.0.1", "--port", str(port)]
             member = _spawn(f"replica-{i}", argv, config.log_dir, f"http://127.0.0.1:{port}")
             started.append(member)

@@ -42,25 +42,6 @@ class KVEventsConfig:
                 f"buffer_steps and hwm must be >= 1, got {self.buffer_steps} and {self.hwm}"
             )
 
-    def for_replica(self, index: int) -> KVEventsConfig:
-        """Replica ``index``'s endpoints: tcp ports + index (vLLM's data-parallel rule)."""
-
-        def shift(endpoint: str | None) -> str | None:
-            if endpoint is None or index == 0:
-                return endpoint
-            if endpoint.startswith("tcp://"):
-                base, _, port = endpoint.rpartition(":")
-                return f"{base}:{int(port) + index}"
-            return f"{endpoint}_dp{index}"
-
-        return KVEventsConfig(
-            shift(self.endpoint),
-            shift(self.replay_endpoint),
-            self.topic,
-            self.buffer_steps,
-            self.hwm,
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
