@@ -76,8 +76,14 @@ def test_reloaded_cache_serves_exact_hits_and_keeps_tenants_apart(
             b.storage.read_blocks([block.block_id])["kv"],
             a.storage.read_blocks([other.block_id])["kv"],
         )
-    stored = [e for e in b.take_kv_events() if isinstance(e, BlockStored)]
-    assert {h for e in stored for h in e.block_hashes} == set(b.kv_manager.pool.cached)
+    events = b.take_kv_events()
+    assert all(isinstance(e, BlockStored) for e in events)
+    announced: list[bytes | None] = [None]
+    for e in events:  # a subscriber hears of each parent before its children
+        assert e.parent_block_hash in announced
+        announced += e.block_hashes
+    assert set(announced[1:]) == set(b.kv_manager.pool.cached)
+    assert len(events) == 1  # one prompt's chain: one event
     b.kv_manager.check_integrity()
     assert b.kv_manager.pool.num_free_blocks == b.kv_manager.pool.num_blocks  # evictable
     # another tenant's salt misses; the same tenant hits, with the tokens of a cold engine

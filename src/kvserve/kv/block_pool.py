@@ -228,8 +228,21 @@ class BlockPool:
             raise ValueError("restored block hashes must be new to the prefix cache and unique")
         blocks = self.get_new_blocks(len(entries))
         for block, (block_hash, parent, tokens) in zip(blocks, entries, strict=True):
-            self.cache_full_block(block, block_hash, tokens, parent)
+            block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, tokens
+            self.cached[block_hash] = block
         self.free_blocks(blocks)  # evictable, in entry order
+        if self.events.enabled:
+            # parents before children (eviction order is mostly the reverse), depth first so
+            # that each chain goes out as one BlockStored
+            children: dict[bytes | None, list[tuple[bytes, bytes | None, tuple[int, ...]]]] = {}
+            roots = []
+            for entry in entries:
+                (children.setdefault(entry[1], []) if entry[1] in hashes else roots).append(entry)
+            stack = roots[::-1]
+            while stack:
+                block_hash, parent, tokens = stack.pop()
+                self.events.stored(block_hash, parent, tokens)
+                stack.extend(children.get(block_hash, ())[::-1])
         return blocks
 
     def check_integrity(self) -> None:
