@@ -14,6 +14,9 @@ is not the point. The hit rate and the prompt tokens computed are: cache_aware s
 one replica's hit rate, round_robin recomputes each system prompt on every replica.
 
     python -m benchmarks.cluster [--replicas 2,3] [--router-python .peers/sglang-router/bin/python]
+
+With --kill-one, instead: each replica count under cache_aware with its busiest replica
+SIGKILLed at half the run, requests sent and failed (benchmarks/cluster_failover.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import cluster_failover
 from benchmarks.serve import WORDS
 from kvserve import cluster
 from kvserve.default_model import default_model_path
@@ -162,8 +166,24 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--router-python", default=str(cluster.DEFAULT_ROUTER_PYTHON))
+    p.add_argument(
+        "--kill-one",
+        action="store_true",
+        help="failover instead: cache_aware, the busiest replica SIGKILLed at half the run",
+    )
+    p.add_argument("--stream", action="store_true", help="--kill-one with streaming requests")
     args = p.parse_args()
+    if args.stream and not args.kill_one:
+        p.error("--stream is for --kill-one (the comparison always streams)")
     prompts = workload(args.groups, args.questions, args.prefix_tokens)
+    if args.kill_one:
+        counts = [int(x) for x in args.replicas.split(",")]
+        if min(counts) < 2:
+            p.error("--kill-one needs at least 2 replicas: one is killed")
+        cluster_failover.report(
+            [cluster_failover.run_failover(n, prompts, args) for n in counts], args
+        )
+        return
     configs = [("1 replica", 1, "round_robin")]
     for n in (int(x) for x in args.replicas.split(",")):
         configs += [

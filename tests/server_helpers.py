@@ -24,6 +24,13 @@ from kvserve.default_model import default_model_path
 from kvserve.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 2048  # the tiny model's context
+# SGLang's router, a peer in its own venv (scripts/setup_router.sh; CI installs it)
+ROUTER_PYTHON = Path(
+    os.environ.get(
+        "KVSERVE_SGLANG_ROUTER_PYTHON",
+        Path(__file__).resolve().parents[1] / ".peers/sglang-router/bin/python",
+    )
+)
 
 
 def build_chat_checkpoint(tmp: Path) -> Path:

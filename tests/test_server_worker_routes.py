@@ -15,18 +15,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import MAX_MODEL_LEN, ServerProcess, free_port, start_server
+from server_helpers import (
+    MAX_MODEL_LEN,
+    ROUTER_PYTHON,
+    ServerProcess,
+    free_port,
+    start_server,
+)
 
 from kvserve.config import CacheConfig
 
 KEY = "worker-key"
 BLOCKS = 160
-ROUTER_PYTHON = Path(
-    os.environ.get(
-        "KVSERVE_SGLANG_ROUTER_PYTHON",
-        Path(__file__).resolve().parents[1] / ".peers/sglang-router/bin/python",
-    )
-)
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,11 @@ DEFAULT_ROUTER_PYTHON = Path(".peers/sglang-router/bin/python")
 ROUTER_PYTHON_ENV = "KVSERVE_SGLANG_ROUTER_PYTHON"
 # the router's flags for fast failover, unless --router-args sets them: one failed call opens a
 # replica's circuit (so the router's retry goes to another replica at once, not five times to
-# the dead one), and a health check every second takes a dead replica out
+# the dead one), and a health check every second takes a dead replica out. A non-streaming
+# request in flight on a replica that dies is such a failed call (its connection breaks, the
+# router retries it); with the router's default threshold of 10, cache_aware picks the dead
+# replica for all five attempts of a lone request and the client gets a 500 (measured with
+# sglang-router 0.3.2; tests/test_cluster_failover.py kills a replica under load)
 FAILOVER_DEFAULTS = {
     "--cb-failure-threshold": "1",
     "--health-check-interval-secs": "1",
