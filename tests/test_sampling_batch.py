@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_sampling import expected_support, random_logits
 
+from kvserve import sampling
 from kvserve.sampling import (
     SamplingParams,
     batch_logprobs,
@@ -152,3 +153,12 @@ def test_top_logprobs_order_ties_by_token_id_as_argmax_does() -> None:
     assert list(top_logprobs(logits, 4, greedy)) == [1, 2, 4, 5]
     got = batch_logprobs(torch.stack([logits, logits.flip(0)]), [2, 3], torch.tensor([1, 1]))
     assert [list(g) for g in got] == [[1, 2], [1, 3, 4]]
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2**-24])
+def test_inverse_cdf_draw_never_lands_on_a_zero_probability_token(monkeypatch, u: float) -> None:
+    # the extremes of U[0, 1): the draw must skip zero-probability tokens at both ends
+    monkeypatch.setattr(sampling, "_uniform", lambda gens, device: torch.full((len(gens),), u))
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.0, 0.0, 1.0, 0.0], [1e-30, 0.0, 0.0, 0.0]])
+    drawn = sampling._draw(probs, [None] * 3).tolist()
+    assert drawn == ([1, 2, 0] if u == 0.0 else [2, 2, 0])

@@ -9,10 +9,14 @@ per-row parameters as tensors and one softmax. Filters apply in vLLM's order: te
 then top-k, then top-p, then min-p. Greedy (temperature below 1e-5, as vLLM) ignores the
 filters. Logprobs are the raw model's (before penalties and filters), as vLLM's default. The single-sequence loop calls the same code with B = 1.
 
-A draw is an exponential race, as vLLM's: token = argmax(probs / q), q ~ Exp(1) i.i.d. per
-token, which picks token i with probability probs[i]. A seeded request draws its q row from
-its own ``torch.Generator`` (seeded once), and every step of the pipeline is row-wise, so its
-tokens do not depend on what else is in the batch. Unseeded rows share the global RNG.
+A draw is by the inverse CDF: one uniform u per row, token = the first i with
+cumsum(probs)[i] > u * sum(probs), which picks token i with probability probs[i] and never a
+token of probability 0. One random number per row, not one per vocabulary entry: vLLM's
+exponential race (argmax(probs / q), q ~ Exp(1) per token) costs 3M exponentials at 64 rows of
+a 49k vocabulary, ~47 ms on a 2-core CPU, against ~2 ms for the cumsum. A seeded request draws
+its u from its own ``torch.Generator`` (seeded once), and every step of the pipeline is
+row-wise, so its tokens do not depend on what else is in the batch. Unseeded rows share the
+global RNG.
 """
 
 from __future__ import annotations
@@ -210,22 +214,26 @@ def _filtered_probs(logits: torch.Tensor, rp: _RowParams) -> torch.Tensor:
     return torch.where(ok, probs / total, fallback)
 
 
-def _exponential(
-    shape: tuple[int, int], generators: Sequence[torch.Generator | None], device: torch.device
+def _uniform(
+    generators: Sequence[torch.Generator | None], device: torch.device
 ) -> torch.Tensor:
-    """q ~ Exp(1) of shape (R, V): a seeded row from its own generator, the rest from the
-    global RNG in one call."""
-    q = torch.empty(shape, device=device)
-    free = [i for i, g in enumerate(generators) if g is None]
-    if len(free) == len(generators):
-        return q.exponential_()
+    """u ~ U[0, 1) of shape (R,): a seeded row from its own generator, the rest from the global
+    RNG in one call."""
+    u = torch.rand(len(generators), device=device)
     for i, g in enumerate(generators):
         if g is not None:
-            q[i].exponential_(generator=g)
-    if free:
-        idx = torch.tensor(free, device=device)
-        q[idx] = torch.empty((len(free), shape[1]), device=device).exponential_()
-    return q
+            u[i] = torch.rand(1, generator=g, device=device)[0]
+    return u
+
+
+def _draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs (R, V), row i with probability probs[i] / sum."""
+    cum = probs.cumsum(dim=-1)  # (R, V)
+    total = cum[:, -1:]  # (R, 1)
+    u = _uniform(generators, probs.device)[:, None] * total
+    # strictly below the total, so the first cum > u exists and has probability > 0
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cum, u, right=True).squeeze(1)
 
 
 def sample_batch(
@@ -247,9 +255,7 @@ def sample_batch(
     sub = logits if len(rows) == len(params) else logits[idx]  # (R, V)
     rp = _RowParams.of([params[i] for i in rows], logits.shape[-1], logits.device)
     probs = _filtered_probs(sub, rp)
-    q = _exponential(tuple(probs.shape), [generators[i] for i in rows], logits.device)
-    # q == 0 would make 0 / 0 = nan, which argmax would pick: keep q positive
-    drawn = (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)  # (R,)
+    drawn = _draw(probs, [generators[i] for i in rows])  # (R,)
     return tokens.index_copy_(0, idx, drawn)
 
 
