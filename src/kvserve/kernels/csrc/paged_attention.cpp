@@ -133,9 +133,60 @@ KV_AVX512 inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(y, n);  // y * 2^n
 }
 
+// head_dim = 16 * ND (64, 128: most models): each K row is loaded and converted once for
+// all G query heads (the generic loop converts it G times), the queries stay in registers.
+template <typename T, int ND>
+KV_AVX512 void qk_avx512_nd(const float* q, int64_t G, const T* k, int64_t stride,
+                            int64_t rows, float* s, int64_t ss) {
+  constexpr int64_t D = 16 * ND;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {  // 4 heads of queries in registers at a time
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    __m512 qv[4][ND];
+    for (int64_t g = 0; g < gn; ++g)
+      for (int c = 0; c < ND; ++c) qv[g][c] = _mm512_loadu_ps(q + (g0 + g) * D + 16 * c);
+    const T* kr = k;
+    for (int64_t r = 0; r < rows; ++r, kr += stride) {
+      __m512 kv[ND];
+      for (int c = 0; c < ND; ++c) kv[c] = ld512(kr + 16 * c, 0xFFFF);
+      for (int64_t g = 0; g < gn; ++g) {
+        __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < ND; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+        s[(g0 + g) * ss + r] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+}
+
+// acc (G, 16 ND) += p (G, rows) V (rows, 16 ND): each V row loaded and converted once for all G
+// heads; the accumulators of 4 heads stay in registers across the block's rows.
+template <typename T, int ND>
+KV_AVX512 void pv_avx512_nd(const float* p, int64_t ps, int64_t G, const T* v, int64_t stride,
+                            int64_t rows, float* acc) {
+  constexpr int64_t D = 16 * ND;
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t gn = std::min<int64_t>(4, G - g0);
+    __m512 a[4][ND];
+    for (int64_t g = 0; g < gn; ++g)
+      for (int c = 0; c < ND; ++c) a[g][c] = _mm512_loadu_ps(acc + (g0 + g) * D + 16 * c);
+    const T* vr = v;
+    for (int64_t r = 0; r < rows; ++r, vr += stride) {
+      __m512 vv[ND];
+      for (int c = 0; c < ND; ++c) vv[c] = ld512(vr + 16 * c, 0xFFFF);
+      for (int64_t g = 0; g < gn; ++g) {
+        const __m512 w = _mm512_set1_ps(p[(g0 + g) * ps + r]);
+        for (int c = 0; c < ND; ++c) a[g][c] = _mm512_fmadd_ps(w, vv[c], a[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g)
+      for (int c = 0; c < ND; ++c) _mm512_storeu_ps(acc + (g0 + g) * D + 16 * c, a[g][c]);
+  }
+}
+
 template <typename T>
 KV_AVX512 void qk_avx512(const float* q, int64_t G, int64_t D, const T* k, int64_t stride,
                          int64_t rows, float* s, int64_t ss) {
+  if (D == 64) return qk_avx512_nd<T, 4>(q, G, k, stride, rows, s, ss);
+  if (D == 128) return qk_avx512_nd<T, 8>(q, G, k, stride, rows, s, ss);
   for (int64_t r = 0; r < rows; ++r, k += stride)
     for (int64_t g = 0; g < G; ++g) {
       __m512 acc = _mm512_setzero_ps();
@@ -150,6 +201,8 @@ KV_AVX512 void qk_avx512(const float* q, int64_t G, int64_t D, const T* k, int64
 template <typename T>
 KV_AVX512 void pv_avx512(const float* p, int64_t ps, int64_t G, int64_t D, const T* v,
                          int64_t stride, int64_t rows, float* acc) {
+  if (D == 64) return pv_avx512_nd<T, 4>(p, ps, G, v, stride, rows, acc);
+  if (D == 128) return pv_avx512_nd<T, 8>(p, ps, G, v, stride, rows, acc);
   // d outer, rows inner: each accumulator stays in a register across the block's rows
   for (int64_t d = 0; d < D; d += 16) {
     __mmask16 m = mask16(D - d);
