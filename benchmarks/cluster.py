@@ -135,6 +135,7 @@ def run_one(name: str, replicas: int, policy: str, prompts: list[str], args) -> 
         router_args=(),
         serve_args=("--served-model-name", "kvserve", "--dtype", args.dtype),
         log_dir=log_dir,
+        threads_per_replica=cluster.default_threads(replicas),  # as `kvserve cluster` does
     )
     workers, router = cluster.start(config)
     try:

@@ -134,6 +134,7 @@ def run_failover(replicas: int, prompts: list[str], args) -> Failover:
         router_args=(),
         serve_args=("--served-model-name", "kvserve", "--dtype", args.dtype),
         log_dir=log_dir,
+        threads_per_replica=cluster.default_threads(replicas),  # as `kvserve cluster` does
     )
     workers, router = cluster.start(config)
     try:

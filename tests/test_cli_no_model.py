@@ -5,6 +5,7 @@ run as a real process. Runs with the default model are in test_cli.py.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,20 @@ def test_serve_defaults_to_latency_scheduling_and_generate_to_throughput() -> No
         )
     )
     assert (custom.scheduling_policy, custom.max_prefill_tokens_with_decodes) == ("fcfs", 64)
+
+
+def test_cluster_splits_the_cores_among_its_replicas(tmp_path, monkeypatch) -> None:
+    from kvserve import cluster
+    from kvserve.cli import build_parser
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    parser = build_parser()
+    log = ["--log-dir", str(tmp_path)]
+    config = cluster.config_from_args(parser.parse_args(["cluster", "--replicas", "3", *log]))
+    assert config.threads_per_replica == 2  # 8 cores // 3 replicas
+    many = cluster.config_from_args(parser.parse_args(["cluster", "--replicas", "16", *log]))
+    assert many.threads_per_replica == 1
+    explicit = ["cluster", "--replicas", "3", "--threads-per-replica", "4", *log]
+    assert cluster.config_from_args(parser.parse_args(explicit)).threads_per_replica == 4
+    with pytest.raises(ValueError, match="threads-per-replica"):
+        cluster.config_from_args(parser.parse_args(["cluster", "--threads-per-replica", "0", *log]))

@@ -214,9 +214,7 @@ def _filtered_probs(logits: torch.Tensor, rp: _RowParams) -> torch.Tensor:
     return torch.where(ok, probs / total, fallback)
 
 
-def _uniform(
-    generators: Sequence[torch.Generator | None], device: torch.device
-) -> torch.Tensor:
+def _uniform(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """u ~ U[0, 1) of shape (R,): a seeded row from its own generator, the rest from the global
     RNG in one call."""
     u = torch.rand(len(generators), device=device)
