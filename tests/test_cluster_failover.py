@@ -28,7 +28,7 @@ from kvserve import cluster
 
 CLIENTS = 4
 PER_CLIENT = 6
-MAX_TOKENS = 16  # with ignore_eos: a request is in flight for many engine steps
+MAX_TOKENS = 32  # with ignore_eos: a request is in flight for many engine steps
 LONE_REQUESTS = 4
 LONE_MAX_TOKENS = 32  # one request at a time: longer, so that the kill finds it running
 SYSTEM = "Shared instructions. " + " ".join(f"item{i}" for i in range(40))
@@ -126,15 +126,18 @@ def kill_under_load(
     while len(outcomes) < kill_after:
         assert time.monotonic() < deadline, outcomes
         time.sleep(0.02)
+    # what each replica has served, read first: nothing may stand between seeing requests
+    # running and the kill (a tiny model finishes a request in milliseconds)
+    served_before = [served(r) for r in live]
     # each client sends its next request as soon as one returns, so this sees a request near
     # its start and the kill lands well inside it
     while max(running := [r.metrics()["vllm:num_requests_running"] for r in live]) == 0:
         assert time.monotonic() < deadline, "no replica ever ran a request"
         time.sleep(0.01)
     victim = live[running.index(max(running))]  # cache_aware keeps them all on one
-    survivors = [r for r in live if r is not victim]
-    before = sum(served(r) for r in survivors)
     os.kill(victim.proc.pid, signal.SIGKILL)
+    survivors = [r for r in live if r is not victim]
+    before = sum(n for r, n in zip(live, served_before, strict=True) if r is not victim)
     killed_at = time.monotonic()
     for t in threads:
         t.join(timeout=120)

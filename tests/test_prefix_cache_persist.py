@@ -109,6 +109,22 @@ def test_a_file_from_another_engine_is_refused_naming_what_differs(
     assert b.kv_manager.pool.cached == {}
 
 
+def test_blocks_that_cannot_be_filled_are_not_left_as_hits(
+    session: ModelSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, fingerprint, _, _ = saved(session, tmp_path, (PROMPT, None))
+    b = make_engine(session)
+
+    def wrong_layout(block_ids, tensors):
+        raise ValueError("blocks of another layout")
+
+    monkeypatch.setattr(b.storage, "write_blocks", wrong_layout)
+    report = b.load_prefix_cache(tmp_path, fingerprint)
+    assert report.num_blocks == 0 and report.refused == "blocks of another layout"
+    assert b.kv_manager.pool.cached == {}
+    b.kv_manager.check_integrity()
+
+
 def test_fingerprint_covers_weights_and_dtype(session: ModelSession, tmp_path: Path) -> None:
     spec = make_engine(session).spec
     base = cache_fingerprint(session, spec, None)

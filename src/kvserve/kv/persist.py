@@ -129,7 +129,11 @@ def load(
         entries, blocks = _read(path, fingerprint)
         entries, blocks = _fit(entries, blocks, pool.num_free_blocks)
         restored = pool.restore(entries)
-        storage.write_blocks([b.block_id for b in restored], blocks)
+        try:
+            storage.write_blocks([b.block_id for b in restored], blocks)
+        except ValueError:
+            pool.uncache(restored)  # indexed but never filled: they must not be hits
+            raise
     except (Refused, ValueError) as e:
         logger.warning("prefix cache %s refused, nothing loaded: %s", path, e)
         return PersistReport(path, 0, size, str(e))
@@ -161,10 +165,13 @@ def _read(
         raise Refused(f"unreadable ({type(e).__name__}: {e})") from e
     if _checksum(tensors) != meta.get("checksum"):
         raise Refused("checksum mismatch: the file is torn or was altered")
-    hashes = [bytes(r) for r in tensors.pop("block_hashes").tolist()]
-    parents = [bytes(r) for r in tensors.pop("parent_hashes").tolist()]
-    has_parent = tensors.pop("has_parent").tolist()
-    tokens = [tuple(r) for r in tensors.pop("token_ids").tolist()]
+    try:
+        hashes = [bytes(r) for r in tensors.pop("block_hashes").tolist()]
+        parents = [bytes(r) for r in tensors.pop("parent_hashes").tolist()]
+        has_parent = tensors.pop("has_parent").tolist()
+        tokens = [tuple(r) for r in tensors.pop("token_ids").tolist()]
+    except KeyError as e:
+        raise Refused(f"the tensor {e} is missing") from e
     entries: list[Entry] = [
         (h, p if has else None, t)
         for h, p, has, t in zip(hashes, parents, has_parent, tokens, strict=True)

@@ -64,7 +64,9 @@ class KVCacheStorage:
 
     def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
         """The inverse of ``read_blocks``: ``tensors`` as it returned them, into these blocks."""
-        kv = tensors["kv"]
+        kv = tensors.get("kv")
+        if kv is None:
+            raise ValueError(f"no 'kv' tensor among the saved blocks' {sorted(tensors)}")
         expected = (len(block_ids), *self.kv.shape[:2], *self.kv.shape[3:])
         if tuple(kv.shape) != expected or kv.dtype != self.kv.dtype:
             raise ValueError(
