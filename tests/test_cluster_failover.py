@@ -29,7 +29,7 @@ from kvserve import cluster
 CLIENTS = 4
 PER_CLIENT = 6
 MAX_TOKENS = 32  # with ignore_eos: a request is in flight for many engine steps
-LONE_REQUESTS = 4
+LONE_REQUESTS = 12  # the kill comes after the first: several are left to send after it
 LONE_MAX_TOKENS = 32  # one request at a time: longer, so that the kill finds it running
 SYSTEM = "Shared instructions. " + " ".join(f"item{i}" for i in range(40))
 

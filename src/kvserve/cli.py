@@ -1,4 +1,4 @@
-"""kvserve command line: generate | chat | serve | cluster | verify | info.
+"""kvserve command line: generate | chat | serve | cluster | plan | verify | info.
 
 The CLI owns the terminal: it parses flags, configures logging, prints. Everything it runs
 lives in the library. ``generate`` and ``chat`` run on the paged engine; ``generate
@@ -30,6 +30,7 @@ from kvserve.cluster import run as run_cluster
 from kvserve.config import EngineConfig
 from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
 from kvserve.engine.request import RequestOutput
+from kvserve.plan_cli import add_plan_args, run_plan
 from kvserve.serve_args import add_serve_args, server_config
 from kvserve.server.config import ServerConfig
 from kvserve.session import generate_once
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
             "cluster", help="N `kvserve serve` replicas behind SGLang's cache-aware router"
         ),
         default_port=_SERVER_PORT,
+    )
+
+    add_plan_args(
+        sub.add_parser(
+            "plan", help="the KV cache's bytes per token and request, and the requests that fit"
+        )
     )
 
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
@@ -270,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": _cmd_serve,
         "verify": _cmd_verify,
         "info": _cmd_info,
+        "plan": run_plan,
     }
     try:
         return commands[args.command](args)

@@ -1,0 +1,132 @@
+"""`kvserve plan`: the lessons' KV-cache bill for a model, a cache dtype, a context and a device.
+
+Per token the cache holds ``2 x layers x kv_heads x head_dim x bytes per element`` (K and V of
+every layer); a request holds whole blocks of ``block_size`` tokens. Every figure comes from
+``KVCacheSpec``, the record the engine allocates with: ``pool_blocks`` is exactly the number
+of blocks ``LLMEngine`` creates when given ``kv_cache_memory = kv_budget`` (tested), so what
+the plan says fits is what fits.
+
+    kv_budget   = device_memory x (1 - reserve) - weights      (the rest of the device)
+    pool_blocks = kv_budget // bytes_per_block                  (KVCacheSpec.num_blocks_for)
+    requests    = pool_blocks // blocks per request at that context
+
+Full attention only today: sliding-window, sink and latent (MLA) layouts will add their own
+per-layer specs (issues 11 and 12) and rows here. No I/O: the CLI reads configs and sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvserve.kv.spec import GIB, KVCacheSpec
+
+# public memory sizes of common devices (what the spec sheet's "GB" means: GiB of HBM/GDDR)
+DEVICE_PRESETS: dict[str, int] = {
+    "H100-80GB": 80 * GIB,
+    "A100-80GB": 80 * GIB,
+    "A100-40GB": 40 * GIB,
+    "L4-24GB": 24 * GIB,
+    "RTX-4090-24GB": 24 * GIB,
+}
+CACHE_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DEFAULT_RESERVE = 0.1  # vLLM's gpu_memory_utilization 0.9: activations, allocator slack
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInput:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    device_memory: int  # bytes
+    weights_bytes: int  # bytes the model's weights take on the device
+    block_size: int = 16
+    reserve: float = DEFAULT_RESERVE  # share of device memory kept for everything else
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.reserve < 1:
+            raise ValueError(f"reserve must be in [0, 1), got {self.reserve}")
+        if self.device_memory <= 0 or self.weights_bytes < 0:
+            raise ValueError(
+                f"device memory must be > 0 and weights >= 0 bytes, got {self.device_memory} "
+                f"and {self.weights_bytes}"
+            )
+
+    def spec(self, dtype: torch.dtype) -> KVCacheSpec:
+        return KVCacheSpec(
+            self.num_layers, self.num_kv_heads, self.head_dim, dtype, self.block_size
+        )
+
+    @property
+    def kv_budget(self) -> int:
+        return int(self.device_memory * (1 - self.reserve)) - self.weights_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    dtype: str
+    context: int  # tokens per request
+    bytes_per_token: int
+    bytes_per_request: int  # the exact figure: context x bytes per token
+    allocated_per_request: int  # whole blocks, as the pool hands them out
+    kv_budget: int
+    pool_blocks: int  # what LLMEngine allocates for kv_budget
+    pool_tokens: int
+    requests: int  # requests of this context that fit at once
+
+    def as_dict(self) -> dict[str, int | str]:
+        return asdict(self)
+
+
+def plan_row(inp: PlanInput, dtype: str, context: int) -> PlanRow:
+    if context <= 0:
+        raise ValueError(f"context must be a positive number of tokens, got {context}")
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache dtype must be one of {', '.join(CACHE_DTYPES)}, got {dtype!r}")
+    spec = inp.spec(CACHE_DTYPES[dtype])
+    budget = inp.kv_budget
+    blocks = spec.num_blocks_for(budget) if budget >= spec.bytes_per_block else 0
+    per_request_blocks = -(-context // spec.block_size)
+    return PlanRow(
+        dtype=dtype,
+        context=context,
+        bytes_per_token=spec.bytes_per_token,
+        bytes_per_request=context * spec.bytes_per_token,
+        allocated_per_request=per_request_blocks * spec.bytes_per_block,
+        kv_budget=budget,
+        pool_blocks=blocks,
+        pool_tokens=blocks * spec.block_size,
+        requests=blocks // per_request_blocks,
+    )
+
+
+def plan(inp: PlanInput, dtypes: Sequence[str], contexts: Sequence[int]) -> list[PlanRow]:
+    return [plan_row(inp, d, c) for d in dtypes for c in contexts]
+
+
+def human(n: float) -> str:
+    """Bytes as both a decimal and a binary figure: '1.07 GB (1.00 GiB)'."""
+    if abs(n) < 10**6:
+        return f"{n:,.0f} B"
+    if abs(n) < 10**9:
+        return f"{n / 1e6:.1f} MB ({n / 2**20:.1f} MiB)"
+    return f"{n / 1e9:.2f} GB ({n / GIB:.2f} GiB)"
+
+
+def table(rows: Sequence[PlanRow]) -> list[str]:
+    lines = [
+        f"{'cache dtype':<11} {'context':>8} {'bytes/token':>12} {'per request':>24} "
+        f"{'pool tokens':>12} {'requests':>9}"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.dtype:<11} {r.context:>8} {r.bytes_per_token:>12,} "
+            f"{human(r.bytes_per_request):>24} {r.pool_tokens:>12,} {r.requests:>9,}"
+        )
+    return lines

@@ -1,0 +1,152 @@
+"""`kvserve plan`'s flags and output (the arithmetic is plan.py's): where the model's shape and
+weight bytes come from (a checkpoint, a bare config.json, or explicit dims), and the device's
+memory (bytes, a named preset, or this machine's RAM)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvserve.default_model import default_model_path
+from kvserve.kv.spec import parse_memory
+from kvserve.models.config import ModelConfig
+from kvserve.plan import (
+    CACHE_DTYPES,
+    DEFAULT_RESERVE,
+    DEVICE_PRESETS,
+    PlanInput,
+    human,
+    plan,
+    table,
+)
+
+THIS_MACHINE = "this-machine"
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF directory, .gguf file or a bare config.json (default: the embedded model)",
+    )
+    p.add_argument("--layers", type=int, default=None, help="instead of --model: layers")
+    p.add_argument("--kv-heads", type=int, default=None, help="instead of --model: KV heads")
+    p.add_argument("--head-dim", type=int, default=None, help="instead of --model: head dim")
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["bfloat16"],
+        choices=list(CACHE_DTYPES),
+        help="one row per cache dtype",
+    )
+    p.add_argument("--context", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument("--block-size", type=int, default=16)
+    dev = p.add_mutually_exclusive_group()
+    dev.add_argument("--device-memory", default=None, help="e.g. 80GB (decimal) or 80GiB")
+    dev.add_argument(
+        "--device",
+        default=THIS_MACHINE,
+        choices=[*DEVICE_PRESETS, THIS_MACHINE],
+        help="a named device (its public memory size) or this machine's RAM",
+    )
+    p.add_argument(
+        "--weights-bytes",
+        default=None,
+        help="the weights' size on the device (default: the checkpoint's files; 0 with dims)",
+    )
+    p.add_argument(
+        "--reserve",
+        type=float,
+        default=DEFAULT_RESERVE,
+        help="share of device memory kept for activations and slack (vLLM's 1 - "
+        "gpu_memory_utilization)",
+    )
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--verbose", "-v", action="store_true", help="log more")
+
+
+def _machine_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError("cannot read this machine's memory (/proc/meminfo); pass --device-memory")
+
+
+def _model_shape(path: Path) -> tuple[ModelConfig, int]:
+    """The model's config and its weight files' bytes."""
+    from kvserve.models.gguf_checkpoint import read_gguf_config
+    from kvserve.models.hf_checkpoint import read_hf_config, safetensors_files
+
+    if path.suffix == ".gguf":
+        return read_gguf_config(path)[0], path.stat().st_size
+    if path.name.endswith(".json"):  # a bare config: no weights to size
+        return ModelConfig.from_hf(json.loads(path.read_text())), 0
+    return read_hf_config(path), sum(f.stat().st_size for f in safetensors_files(path))
+
+
+def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
+    dims = (args.layers, args.kv_heads, args.head_dim)
+    if any(d is not None for d in dims):
+        if None in dims or args.model is not None:
+            raise ValueError("give --layers, --kv-heads and --head-dim together, without --model")
+        layers, kv_heads, head_dim = dims
+        name, weights = f"{layers} layers x {kv_heads} KV heads x head dim {head_dim}", 0
+    else:
+        path = Path(args.model) if args.model else default_model_path()
+        config, weights = _model_shape(path)
+        layers, kv_heads, head_dim = (
+            config.num_hidden_layers,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        name = f"{path.name}: {layers} layers x {kv_heads} KV heads x head dim {head_dim}"
+    if args.weights_bytes is not None:
+        weights = parse_memory(args.weights_bytes)
+    if args.device_memory is not None:
+        memory = parse_memory(args.device_memory)
+    elif args.device == THIS_MACHINE:
+        memory = _machine_memory()
+    else:
+        memory = DEVICE_PRESETS[args.device]
+    inp = PlanInput(layers, kv_heads, head_dim, memory, weights, args.block_size, args.reserve)
+    return name, inp
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    name, inp = plan_input(args)
+    rows = plan(inp, args.kv_cache_dtype, args.context)
+    if args.json:
+        print(
+            json.dumps({"model": name, "input": inp_dict(inp), "rows": [r.as_dict() for r in rows]})
+        )
+        return 0
+    print(name)
+    print(
+        f"device {human(inp.device_memory)}, weights {human(inp.weights_bytes)}, reserve "
+        f"{inp.reserve:.0%}: {human(inp.kv_budget)} for the KV cache"
+    )
+    for line in table(rows):
+        print(line)
+    for r in rows:
+        if r.context % 1024 == 0:  # "8k": the lessons count k as 1,000 tokens
+            k = r.context // 1024
+            rounded = k * 1000 * r.bytes_per_token
+            print(
+                f"{r.dtype} at {k}k = {r.context:,} tokens: {r.bytes_per_request:,} bytes = "
+                f"{human(r.bytes_per_request)} per request (as {k},000 tokens, the lessons' "
+                f"rounding: {rounded / 1e9:.2f} GB); {r.requests} requests fit"
+            )
+    return 0
+
+
+def inp_dict(inp: PlanInput) -> dict[str, int | float]:
+    return {
+        "num_layers": inp.num_layers,
+        "num_kv_heads": inp.num_kv_heads,
+        "head_dim": inp.head_dim,
+        "block_size": inp.block_size,
+        "device_memory": inp.device_memory,
+        "weights_bytes": inp.weights_bytes,
+        "reserve": inp.reserve,
+    }

@@ -1,0 +1,112 @@
+"""`kvserve plan` (plan.py, plan_cli.py): the lessons' example, real public configs against hand
+computations, and the plan's pool against what the engine allocates for the same memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_hf_checkpoint, run_cli
+
+from kvserve.config import CacheConfig
+from kvserve.engine.engine import LLMEngine
+from kvserve.models.config import ModelConfig
+from kvserve.plan import PlanInput, plan, plan_row
+from kvserve.session import ModelSession
+
+GB = 10**9
+
+# Llama-3-8B's config.json (the fields that shape the cache), as published on the Hub
+LLAMA_3_8B = {
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+}
+
+
+def test_the_lessons_example() -> None:
+    # "32-layer model, 8 KV heads, head dim 128, fp16, at 8k context: bytes ~ 1.05 GB per
+    # request. On an 80GB GPU with ~16GB of weights, that's around 60 concurrent users"
+    inp = PlanInput(32, 8, 128, device_memory=80 * GB, weights_bytes=16 * GB, reserve=0.0)
+    row = plan_row(inp, "float16", 8192)
+    assert row.bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131_072
+    assert row.bytes_per_request == 8192 * 131_072 == 2**30  # 1.07 GB; 8,000 tokens: 1.05 GB
+    assert 8000 * row.bytes_per_token == 1_048_576_000
+    blocks = 64 * GB // (16 * 131_072)
+    assert row.pool_blocks == blocks and row.requests == blocks // 512 == 59  # "around 60"
+
+
+def test_llama_3_8b_config_by_hand() -> None:
+    cfg = ModelConfig.from_hf(LLAMA_3_8B)
+    inp = PlanInput(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 80 * 2**30, 16 * GB
+    )
+    rows = plan(inp, ["bfloat16", "float32"], [8192, 1000])
+    bf16_8k, bf16_1k, f32_8k, _ = rows
+    assert cfg.head_dim == 128 and bf16_8k.bytes_per_token == 131_072
+    assert f32_8k.bytes_per_token == 262_144
+    budget = int(80 * 2**30 * 0.9) - 16 * GB
+    assert bf16_8k.kv_budget == budget
+    assert bf16_8k.pool_blocks == budget // (131_072 * 16)
+    # 1,000 tokens take 63 blocks (1,008 token slots): whole blocks are what a request holds
+    assert bf16_1k.allocated_per_request == 63 * 16 * 131_072
+    assert bf16_1k.bytes_per_request == 1000 * 131_072
+    assert bf16_1k.requests == bf16_1k.pool_blocks // 63
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_the_planned_pool_is_what_the_engine_allocates(
+    tmp_path: Path, dtype: str, block_size: int
+) -> None:
+    path, _ = make_hf_checkpoint(tmp_path, "llama", num_key_value_heads=2)
+    session = ModelSession.open(path, dtype, "cpu")
+    cfg = session.config
+    inp = PlanInput(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        device_memory=3 * 2**20 + 12345,  # any size: the budget need not be whole blocks
+        weights_bytes=2**20,
+        block_size=block_size,
+    )
+    row = plan_row(inp, dtype, 100)
+    engine = LLMEngine.from_session(
+        session,
+        CacheConfig(block_size=block_size, kv_cache_memory=row.kv_budget),
+        enforce_eager=True,
+    )
+    assert engine.spec.dtype == getattr(torch, dtype)
+    assert engine.kv_manager.pool.num_blocks == row.pool_blocks > 0
+    assert engine.storage.nbytes == row.pool_blocks * block_size * row.bytes_per_token
+    assert engine.spec.bytes_per_token == row.bytes_per_token
+
+
+def test_plan_cli_text_and_json(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    dims = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--kv-cache-dtype", "float16"]
+    device = ["--device-memory", "80GB", "--weights-bytes", "16GB", "--reserve", "0"]
+    code, out, _ = run_cli(capsys, "plan", *dims, "--context", "8192", *device)
+    assert code == 0
+    assert "1,073,741,824 bytes = 1.07 GB (1.00 GiB)" in out
+    assert "the lessons' rounding: 1.05 GB" in out and "59 requests fit" in out
+    code, out, _ = run_cli(capsys, "plan", *dims, "--context", "8192", "4096", *device, "--json")
+    report = json.loads(out)
+    assert [r["requests"] for r in report["rows"]] == [59, 119]
+    # a bare config.json: the shape from it, the weights from the flag
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_3_8B))
+    args = ["--model", str(config), "--context", "8192", "--device", "H100-80GB", "--json"]
+    code, out, _ = run_cli(capsys, "plan", *args, "--weights-bytes", "16GB")
+    row = json.loads(out)["rows"][0]
+    assert row["bytes_per_token"] == 131_072 and row["kv_budget"] == int(80 * 2**30 * 0.9) - 16 * GB
+    code, _, err = run_cli(capsys, "plan", "--layers", "32", "--context", "8192")
+    assert code == 2 and "together" in err
