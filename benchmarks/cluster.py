@@ -26,14 +26,13 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
 from benchmarks import cluster_failover
+from benchmarks.common import bench_cluster_config
 from benchmarks.serve import WORDS
 from kvserve import cluster
 from kvserve.default_model import default_model_path
@@ -125,18 +124,7 @@ def counters(url: str) -> tuple[float, float]:
 
 
 def run_one(name: str, replicas: int, policy: str, prompts: list[str], args) -> Result:
-    log_dir = Path(tempfile.mkdtemp(prefix=f"kvserve-cluster-{replicas}-{policy}-"))
-    config = cluster.ClusterConfig(
-        replicas=replicas,
-        host="127.0.0.1",
-        port=cluster.free_port(),
-        policy=policy,
-        router_python=Path(args.router_python),
-        router_args=(),
-        serve_args=("--served-model-name", "kvserve", "--dtype", args.dtype),
-        log_dir=log_dir,
-        threads_per_replica=cluster.default_threads(replicas),  # as `kvserve cluster` does
-    )
+    config = bench_cluster_config(replicas, policy, args.router_python, args.dtype, policy)
     workers, router = cluster.start(config)
     try:
         ttfts, failures, tok_s = asyncio.run(

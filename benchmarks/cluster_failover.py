@@ -21,14 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
+from benchmarks.common import bench_cluster_config
 from kvserve import cluster
 
 
@@ -124,17 +123,8 @@ async def drive(
 
 
 def run_failover(replicas: int, prompts: list[str], args) -> Failover:
-    log_dir = Path(tempfile.mkdtemp(prefix=f"kvserve-cluster-{replicas}-kill-one-"))
-    config = cluster.ClusterConfig(
-        replicas=replicas,
-        host="127.0.0.1",
-        port=cluster.free_port(),
-        policy="cache_aware",
-        router_python=Path(args.router_python),
-        router_args=(),
-        serve_args=("--served-model-name", "kvserve", "--dtype", args.dtype),
-        log_dir=log_dir,
-        threads_per_replica=cluster.default_threads(replicas),  # as `kvserve cluster` does
+    config = bench_cluster_config(
+        replicas, "cache_aware", args.router_python, args.dtype, "kill-one"
     )
     workers, router = cluster.start(config)
     try:

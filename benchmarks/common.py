@@ -197,3 +197,21 @@ def export_hf_dir_model(session: ModelSession, dtype: torch.dtype):
     tmp = Path(tempfile.mkdtemp(prefix="kvserve-bench-hf-"))
     export_hf_dir(session, tmp)
     return AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
+
+
+def bench_cluster_config(replicas: int, policy: str, router_python: str, dtype: str, tag: str):
+    """A fresh `kvserve cluster` of the default model on free loopback ports, its cores split
+    as `kvserve cluster` splits them (benchmarks/cluster.py, cluster_failover.py)."""
+    from kvserve import cluster
+
+    return cluster.ClusterConfig(
+        replicas=replicas,
+        host="127.0.0.1",
+        port=cluster.free_port(),
+        policy=policy,
+        router_python=Path(router_python),
+        router_args=(),
+        serve_args=("--served-model-name", "kvserve", "--dtype", dtype),
+        log_dir=Path(tempfile.mkdtemp(prefix=f"kvserve-cluster-{replicas}-{tag}-")),
+        threads_per_replica=cluster.default_threads(replicas),
+    )
