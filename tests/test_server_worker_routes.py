@@ -69,9 +69,13 @@ def test_worker_routes_need_the_key(worker: ServerProcess) -> None:
         ("GET", "/model_info"),
         ("GET", "/get_load"),
         ("POST", "/flush_cache"),
+        ("POST", "/save_cache"),
     ]:
         r = httpx.request(method, f"{worker.url}{path}", timeout=10)
         assert r.status_code == 401, (path, r.text)
+    # with the key, a server started without --prefix-cache-dir says what it lacks
+    r = worker.http().post("/save_cache")
+    assert r.status_code == 400 and "--prefix-cache-dir" in r.json()["error"]["message"]
 
 
 def complete(worker: ServerProcess, prompt: list[int], max_tokens: int = 1) -> int:
