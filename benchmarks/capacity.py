@@ -15,14 +15,15 @@ import argparse
 import statistics
 
 from benchmarks.common import workload_offline
-from kvserve.config import SchedulerConfig
+from kvserve.config import SchedulerConfig, parse_memory
 from kvserve.engine.output import append_token
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
+from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.spec import KVCacheSpec, parse_memory
 from kvserve.models.gguf_checkpoint import find_gguf_file, read_gguf_config
 from kvserve.models.hf_checkpoint import read_hf_config
+from kvserve.models.llama import kv_cache_spec
 from kvserve.models.loader import parse_dtype, resolve_model_path
 from kvserve.sampling import SamplingParams
 
@@ -45,7 +46,8 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = model_config(args.model)
-    spec = KVCacheSpec.for_model(cfg, parse_dtype(args.dtype), args.block_size)
+    exact = CacheDtype.of(parse_dtype(args.dtype))
+    spec = kv_cache_spec(cfg, exact, exact, args.block_size)
     memory = parse_memory(args.kv_cache_memory)
     num_blocks = spec.num_blocks_for(memory)
     max_model_len = args.max_model_len or cfg.max_model_len

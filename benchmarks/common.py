@@ -19,9 +19,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from kvserve.engine.llm import LLM
+from kvserve.models.model_session import ModelSession
 from kvserve.models.packed_linear import dense_state_dict
 from kvserve.models.weight_formats import resident_bytes
-from kvserve.session import ModelSession
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_SCRIPTS = ROOT / "benchmarks" / "peers"

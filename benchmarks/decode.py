@@ -34,10 +34,10 @@ from benchmarks.common import (
     with_dtype_fallback,
 )
 from kvserve.engine.llm import LLM
-from kvserve.generation import generate
-from kvserve.reference import DenseCacheDecoder, NoCacheDecoder
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.decoders import DenseCacheDecoder, NoCacheDecoder
+from kvserve.reference.generation import generate
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 
 def run_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:

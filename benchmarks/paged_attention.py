@@ -25,11 +25,11 @@ from collections.abc import Callable
 
 import torch
 
+from kvserve.attention.paged import sdpa_decode
 from kvserve.kernels.build import build_kernels
 from kvserve.kernels.paged_attention_ops import paged_decode_attention
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
-from kvserve.paged_attention import sdpa_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,13 +39,15 @@ def make_case(batch: int, ctx: int, dtype: torch.dtype, seed: int = 0):
     """A one-layer cache holding `batch` requests of `ctx` tokens in shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
     nb = -(-ctx // BLOCK)
-    storage = KVCacheStorage(KVCacheSpec(1, KV_HEADS, HEAD_DIM, dtype, BLOCK), batch * nb + 1)
+    storage = KVCacheStorage(
+        KVCacheSpec.full_attention(1, KV_HEADS, HEAD_DIM, dtype, BLOCK), batch * nb + 1
+    )
     storage.kv.copy_(torch.randn(storage.kv.shape, generator=gen))
     perm = torch.randperm(storage.num_blocks, generator=gen)[: batch * nb]
     tables = perm.view(batch, nb).contiguous()  # (B, nb)
     lens = [ctx] * batch
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(dtype)
-    return q, storage.key_cache(0), storage.value_cache(0), tables, lens, torch.tensor(lens)
+    return q, storage, tables, lens, torch.tensor(lens)
 
 
 def time_pair(
@@ -72,9 +74,10 @@ def bench_case(
     batch: int, ctx: int, dtype: torch.dtype, reps: int, isa: int, clock: Callable[[], float]
 ) -> str:
     """One table row: both paths on the same cache, checked to agree, then timed."""
-    q, kc, vc, tables, lens, lens_t = make_case(batch, ctx, dtype)
+    q, storage, tables, lens, lens_t = make_case(batch, ctx, dtype)
+    kc, vc = storage.plane(0, "k").codes, storage.plane(0, "v").codes
     scale = HEAD_DIM**-0.5
-    sdpa_args = (q, kc, vc, tables, lens, lens_t)
+    sdpa_args = (q, storage, 0, tables, lens, lens_t, scale)
     kern_args = (q, kc, vc, tables, lens_t, scale, isa)
     ref, got = sdpa_decode(*sdpa_args), paged_decode_attention(*kern_args)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)

@@ -15,8 +15,8 @@ import torch
 
 from benchmarks.common import workload_offline
 from kvserve.engine.llm import LLM
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import torch
 
 from benchmarks.common import random_prompt
 from kvserve.engine.llm import LLM
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 
 def workload(

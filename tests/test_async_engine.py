@@ -17,6 +17,7 @@ from conftest import make_hf_checkpoint
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import RequestStatus
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import RequestOutputKind, SamplingParams
 from kvserve.server.async_engine import (
     AsyncEngine,
@@ -27,7 +28,6 @@ from kvserve.server.async_engine import (
     QueueFullError,
 )
 from kvserve.server.engine_records import Health
-from kvserve.session import ModelSession
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from test_async_engine import assert_no_leaks, drain, spec, wait_until
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
+from kvserve.models.model_session import ModelSession
 from kvserve.server.async_engine import AsyncEngine
-from kvserve.session import ModelSession
 
 
 @pytest.fixture(scope="module")

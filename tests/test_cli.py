@@ -20,7 +20,7 @@ import pytest
 from conftest import _env, run_cli
 
 from kvserve import cli
-from kvserve.session import ModelSession
+from kvserve.models.model_session import ModelSession
 
 # A small paged KV cache (32 blocks of 16 = 512 tokens) instead of the 1 GiB default: plenty for
 # one request, and cheap to allocate on every in-process call. The subprocess test keeps the

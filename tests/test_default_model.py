@@ -15,9 +15,9 @@ import torch
 
 from kvserve.engine.llm import LLM
 from kvserve.models.loader import load_model
-from kvserve.reference import full_logits
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.decoders import full_logits
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 STEPS = 32
 CHAT = [{"role": "user", "content": "Write a short paragraph about the history of Paris."}]

@@ -13,10 +13,10 @@ from conftest import make_hf_checkpoint, random_token_ids
 from kvserve.engine.limits import RequestRejected
 from kvserve.engine.llm import LLM
 from kvserve.engine.request import RequestStatus
-from kvserve.generation import generate
-from kvserve.reference import DenseCacheDecoder
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.decoders import DenseCacheDecoder
+from kvserve.reference.generation import generate
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 BLOCK = 4
 

@@ -13,8 +13,8 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.engine.faults import FaultInjector, InjectedFault
 from kvserve.engine.llm import LLM
 from kvserve.engine.request import RequestOutput
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 BLOCK = 4
 

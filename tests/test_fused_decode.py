@@ -12,15 +12,14 @@ import torch
 from conftest import make_hf_checkpoint, random_token_ids
 from test_quant_kernels import kernels  # noqa: F401 - the fixture: the extension, built
 
+from kvserve.attention.paged import AttentionMetadata, PagedAttention
 from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.llm import LLM
-from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.loader import load_model
+from kvserve.models.model_session import ModelSession
 from kvserve.models.quantized_linear import QuantizedLinear
-from kvserve.paged_attention import AttentionMetadata, PagedAttention
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 BLOCK = 4
 
@@ -64,7 +63,7 @@ def metadata(tables: list[list[int]], starts: list[int], lens: list[int], slots:
 def prefilled(model, prompt_lens: list[int]):
     """A cache holding each prompt (written by the eager layers), and one decode step's
     inputs: a new token per request at position len(prompt)."""
-    spec = KVCacheSpec.for_model(model.config, model.dtype, BLOCK)
+    spec = model.kv_cache_spec(block_size=BLOCK)
     storage = KVCacheStorage(spec, 64)
     tables, next_block = [], 1  # block 0 stays unused: padding reads it
     for n in prompt_lens:
@@ -76,7 +75,7 @@ def prefilled(model, prompt_lens: list[int]):
             slots = [tables[i][p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]
             md = metadata([tables[i]], [0, n], [n], slots)
             ids = torch.tensor(random_token_ids(n, seed=i))
-            model(ids, torch.arange(n), PagedAttention(storage, md))
+            model(ids, torch.arange(n), PagedAttention(storage, md, model.config.attention_scale))
     b = len(prompt_lens)
     slots = [tables[i][n // BLOCK] * BLOCK + n % BLOCK for i, n in enumerate(prompt_lens)]
     md = metadata(tables, list(range(b + 1)), [n + 1 for n in prompt_lens], slots)
@@ -88,7 +87,7 @@ def both_ways(model, storage, md, ids, positions, isa: int | None = None):
     """(eager hidden, eager kv), (fused hidden, fused kv) from the same starting cache."""
     before = storage.kv.clone()
     with torch.inference_mode():
-        eager = model(ids, positions, PagedAttention(storage, md))
+        eager = model(ids, positions, PagedAttention(storage, md, model.config.attention_scale))
         eager_kv = storage.kv.clone()
         storage.kv.copy_(before)
         fused = FusedDecode.build(model, storage)
@@ -143,10 +142,10 @@ def test_bfloat16_model_close_to_eager(tmp_path: Path) -> None:
 
 def test_runs_only_where_it_can(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dense = load(tmp_path / "dense", quantization=None)
-    spec = KVCacheSpec.for_model(dense.config, dense.dtype, BLOCK)
+    spec = dense.kv_cache_spec(block_size=BLOCK)
     assert FusedDecode.build(dense, KVCacheStorage(spec, 8)) is None  # float weights
     qk_norm = load(tmp_path / "qwen3", model_type="qwen3", head_dim=16)
-    spec = KVCacheSpec.for_model(qk_norm.config, qk_norm.dtype, BLOCK)
+    spec = qk_norm.kv_cache_spec(block_size=BLOCK)
     assert FusedDecode.build(qk_norm, KVCacheStorage(spec, 8)) is None  # q/k norm
     model = load(tmp_path / "q8")
     storage, md, ids, pos = prefilled(model, [3, 4])

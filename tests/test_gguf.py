@@ -25,7 +25,7 @@ from conftest import (
 from gguf import RopeScalingType
 
 from kvserve.models.loader import load_model
-from kvserve.reference import full_logits
+from kvserve.reference.decoders import full_logits
 
 SEQ_LEN = 48
 ATOL_F32 = 1e-4

@@ -26,7 +26,7 @@ from gguf.quants import dequantize, quantize
 from kvserve.models.gguf_checkpoint import SUPPORTED_GGML_TYPES
 from kvserve.models.loader import load_model
 from kvserve.models.packed_linear import dense_state_dict
-from kvserve.reference import full_logits
+from kvserve.reference.decoders import full_logits
 
 Q = GGMLQuantizationType
 SEQ_LEN = 48

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from kvserve.models.config import SUPPORTED_MODEL_TYPES
 from kvserve.models.loader import load_model
 from kvserve.platform import detect_cpu_features
-from kvserve.reference import full_logits
+from kvserve.reference.decoders import full_logits
 
 SEQ_LEN = 100
 ATOL_F32 = 1e-4

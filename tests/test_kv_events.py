@@ -23,12 +23,12 @@ from kvserve.engine.engine import LLMEngine
 from kvserve.kv import events as kv
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import SamplingParams
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.config import KVEventsConfig
 from kvserve.server.engine_records import PromptSpec
 from kvserve.server.kv_events import ZmqEventPublisher
-from kvserve.session import ModelSession
 
 
 # -- a subscriber's own types: vLLM's example subscriber's (examples/online_serving/

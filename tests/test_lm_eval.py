@@ -4,7 +4,7 @@ remote tokenizer over /tokenizer_info, /tokenize and /detokenize) on two local t
 loglikelihood one and a multiple-choice one (task YAMLs over jsonl files; nothing is
 downloaded). The loglikelihoods, greedy flags, perplexity and accuracies lm-eval reports
 must equal a full no-cache float32 forward of the same checkpoint
-(``kvserve.reference.full_logits``) over the same tokens.
+(``kvserve.reference.decoders.full_logits``) over the same tokens.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import torch
 from server_helpers import start_server
 
-from kvserve.reference import full_logits
-from kvserve.session import ModelSession
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.decoders import full_logits
 
 pytest.importorskip("lm_eval")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.attention import causal_attention
+from kvserve.attention.backend import causal_attention
+from kvserve.attention.paged import AttentionMetadata, PagedAttention, reference_paged_attention
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
-from kvserve.paged_attention import AttentionMetadata, PagedAttention, reference_paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 16, 4
 
@@ -18,7 +18,7 @@ def build_step(seq_lens: list[int], query_lens: list[int], dtype: torch.dtype, s
     """Random K/V history per request in shuffled blocks; returns storage, metadata, q/k/v of
     this step, and each request's full dense K/V (history + this step)."""
     gen = torch.Generator().manual_seed(seed)
-    spec = KVCacheSpec(1, KV_HEADS, HEAD_DIM, dtype, BLOCK)
+    spec = KVCacheSpec.full_attention(1, KV_HEADS, HEAD_DIM, dtype, BLOCK)
     need = [-(-n // BLOCK) for n in seq_lens]
     storage = KVCacheStorage(spec, sum(need) + 3)
     perm = torch.randperm(storage.num_blocks, generator=gen).tolist()
@@ -60,8 +60,10 @@ def test_paged_matches_reference_and_dense(dtype: torch.dtype) -> None:
     seq_lens = [1, 5, 8, 13, 33, 7, 12, 9]
     query_lens = [1, 1, 1, 1, 1, 7, 5, 9]
     storage, md, q, k, v, dense = build_step(seq_lens, query_lens, dtype)
-    out = PagedAttention(storage, md)(0, q, k, v)  # writes this step's K/V, then attends
-    ref = reference_paged_attention(storage, md, 0, q)
+    out = PagedAttention(storage, md, HEAD_DIM**-0.5)(
+        0, q, k, v
+    )  # writes this step's K/V, then attends
+    ref = reference_paged_attention(storage, md, 0, q, HEAD_DIM**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     for i, (kd, vd) in enumerate(dense):
@@ -73,11 +75,11 @@ def test_paged_matches_reference_and_dense(dtype: torch.dtype) -> None:
 def test_only_own_blocks_are_read() -> None:
     seq_lens, query_lens = [6, 3], [1, 1]
     storage, md, q, k, v, _ = build_step(seq_lens, query_lens, torch.float32, seed=1)
-    before = PagedAttention(storage, md)(0, q, k, v)
+    before = PagedAttention(storage, md, HEAD_DIM**-0.5)(0, q, k, v)
     used = set(md.block_tables[0, :2].tolist()) | set(md.block_tables[1, :1].tolist())
     for b in range(storage.num_blocks):  # scribble over every block nobody owns
         if b not in used:
             storage.kv[:, :, b] = 1e4
     storage.kv[:, 0, md.block_tables[0, 1], 2:] = 1e4  # and past request 0's length (6)
-    after = PagedAttention(storage, md)(0, q, k, v)
+    after = PagedAttention(storage, md, HEAD_DIM**-0.5)(0, q, k, v)
     torch.testing.assert_close(after, before)

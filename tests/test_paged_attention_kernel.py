@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.attention.paged import AttentionMetadata, PagedAttention, reference_paged_attention
 from kvserve.kernels.build import build_kernels
 from kvserve.kernels.paged_attention_ops import default_isa, paged_decode_attention
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
-from kvserve.paged_attention import AttentionMetadata, PagedAttention, reference_paged_attention
 from kvserve.platform import detect_cpu_features
 
 LENS = [1, 16, 17, 5, 100, 33, 250, 48]  # 1, multiples of 16 and not
@@ -40,7 +40,7 @@ def build_cache(lens, heads, kv_heads, head_dim, dtype, block_size=16, pad=-1, s
     """
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
-    spec = KVCacheSpec(1, kv_heads, head_dim, dtype, block_size)
+    spec = KVCacheSpec.full_attention(1, kv_heads, head_dim, dtype, block_size)
     storage = KVCacheStorage(spec, sum(need) + 5)
     storage.kv.copy_(torch.randn(storage.kv.shape, generator=gen))  # garbage in unused slots
     perm = torch.randperm(storage.num_blocks, generator=gen).tolist()
@@ -91,13 +91,13 @@ def decode_metadata(tables: torch.Tensor, lens: torch.Tensor) -> AttentionMetada
 )
 def test_kernel_matches_sdpa_and_reference(isa, dtype, heads, kv_heads, head_dim) -> None:
     storage, q, tables, lens, dense = build_cache(LENS, heads, kv_heads, head_dim, dtype)
-    kc, vc = storage.key_cache(0), storage.value_cache(0)
+    kc, vc = storage.plane(0, "k").codes, storage.plane(0, "v").codes
     out = paged_decode_attention(q, kc, vc, tables, lens, head_dim**-0.5, isa)
     assert out.shape == q.shape and out.dtype == dtype
     tol = TOL[dtype]
     torch.testing.assert_close(out.float(), dense_sdpa(q, dense), atol=tol, rtol=tol)
     # the reference runs SDPA in the cache dtype: both sides round, so a looser half tolerance
-    ref = reference_paged_attention(storage, decode_metadata(tables, lens), 0, q)
+    ref = reference_paged_attention(storage, decode_metadata(tables, lens), 0, q, head_dim**-0.5)
     ref_tol = REF_TOL[dtype]
     torch.testing.assert_close(out, ref, atol=ref_tol, rtol=ref_tol)
 
@@ -107,7 +107,7 @@ def test_kernel_matches_sdpa_and_reference(isa, dtype, heads, kv_heads, head_dim
 def test_other_block_sizes(isa: int, block_size: int) -> None:
     storage, q, tables, lens, dense = build_cache(LENS, 6, 2, 64, torch.float32, block_size)
     out = paged_decode_attention(
-        q, storage.key_cache(0), storage.value_cache(0), tables, lens, 64**-0.5, isa
+        q, storage.plane(0, "k").codes, storage.plane(0, "v").codes, tables, lens, 64**-0.5, isa
     )
     torch.testing.assert_close(out, dense_sdpa(q, dense), atol=1e-5, rtol=1e-5)
 
@@ -121,7 +121,13 @@ def test_many_long_requests_on_threads(isa: int) -> None:
     torch.set_num_threads(2)
     try:
         out = paged_decode_attention(
-            q, storage.key_cache(0), storage.value_cache(0), tables, lens_t, 64**-0.5, isa
+            q,
+            storage.plane(0, "k").codes,
+            storage.plane(0, "v").codes,
+            tables,
+            lens_t,
+            64**-0.5,
+            isa,
         )
     finally:
         torch.set_num_threads(threads)
@@ -131,7 +137,7 @@ def test_many_long_requests_on_threads(isa: int) -> None:
 def test_isa_paths_agree_closely() -> None:
     # same float32 inputs: the vector paths differ from scalar only by summation order
     storage, q, tables, lens, _ = build_cache(LENS, 9, 3, 64, torch.float32, seed=4)
-    args = (q, storage.key_cache(0), storage.value_cache(0), tables, lens, 0.125)
+    args = (q, storage.plane(0, "k").codes, storage.plane(0, "v").codes, tables, lens, 0.125)
     scalar = paged_decode_attention(*args, 0)
     for isa in supported_isas()[1:]:
         torch.testing.assert_close(paged_decode_attention(*args, isa), scalar, atol=2e-6, rtol=0)
@@ -142,16 +148,18 @@ def test_paged_attention_kernel_and_fallback_agree(dtype, monkeypatch) -> None:
     storage, q, tables, lens, dense = build_cache(LENS, 9, 3, 64, dtype, seed=5)
     md = decode_metadata(tables, lens)
     monkeypatch.setenv("KVSERVE_KERNELS", "1")
-    assert PagedAttention(storage, md).use_kernel  # CPU + extension loaded: the default
-    with_kernel = PagedAttention(storage, md)._decode(0, q)
+    assert PagedAttention(storage, md, 64**-0.5).use_kernel  # CPU + extension loaded: the default
+    with_kernel = PagedAttention(storage, md, 64**-0.5)._decode(0, q)
     monkeypatch.setenv("KVSERVE_KERNELS", "0")
-    fallback = PagedAttention(storage, md)
+    fallback = PagedAttention(storage, md, 64**-0.5)
     assert not fallback.use_kernel
     without = fallback._decode(0, q)
     tol = TOL[dtype] if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(with_kernel, without, atol=tol, rtol=tol)
     empty = q.new_zeros(0, 3, 64)  # this step writes no K/V: the cache already holds it all
-    forced = PagedAttention(storage, md, use_kernel=False)(0, q, empty, empty)  # via __call__
+    forced = PagedAttention(storage, md, 64**-0.5, use_kernel=False)(
+        0, q, empty, empty
+    )  # via __call__
     torch.testing.assert_close(forced, without)
     torch.testing.assert_close(without.float(), dense_sdpa(q, dense), atol=tol, rtol=tol)
 
@@ -170,13 +178,13 @@ def test_unsupported_isa_raises(isa: int) -> None:
     storage, q, tables, lens, _ = build_cache([5], 4, 2, 64, torch.float32)
     with pytest.raises(RuntimeError, match="isa"):
         paged_decode_attention(
-            q, storage.key_cache(0), storage.value_cache(0), tables, lens, 0.125, isa
+            q, storage.plane(0, "k").codes, storage.plane(0, "v").codes, tables, lens, 0.125, isa
         )
 
 
 def test_bad_inputs_raise_naming_the_value() -> None:
     storage, q, tables, lens, _ = build_cache([5, 20], 4, 2, 64, torch.float32)
-    kc, vc = storage.key_cache(0), storage.value_cache(0)
+    kc, vc = storage.plane(0, "k").codes, storage.plane(0, "v").codes
     cases = {
         "seq_lens must be": (q, kc, vc, tables, lens.int()),
         "seq_lens\\[1\\] = 0": (q, kc, vc, tables, torch.tensor([5, 0])),
@@ -205,7 +213,7 @@ def test_compiles_once_for_every_batch_size() -> None:
 
     compiled = torch.compile(step, backend=count, dynamic=True, fullgraph=True)
     storage, q, tables, lens, _ = build_cache(LENS, 9, 3, 64, torch.float32)
-    kc, vc = storage.key_cache(0), storage.value_cache(0)
+    kc, vc = storage.plane(0, "k").codes, storage.plane(0, "v").codes
     for b in (4, 5, 7):  # the first b requests; b equals no other size (duck sizing would tie it)
         args = (q[:b], kc, vc, tables[:b], lens[:b])
         torch.testing.assert_close(compiled(*args), step(*args))
@@ -215,7 +223,7 @@ def test_compiles_once_for_every_batch_size() -> None:
 def test_meta_kernel_traces() -> None:
     # the Meta kernel gives torch.compile / FakeTensor the output shape and dtype
     storage, q, tables, lens, _ = build_cache([5, 20], 4, 2, 64, torch.bfloat16)
-    args = (q, storage.key_cache(0), storage.value_cache(0), tables, lens, 0.125, -1)
+    args = (q, storage.plane(0, "k").codes, storage.plane(0, "v").codes, tables, lens, 0.125, -1)
     torch.library.opcheck(
         torch.ops.kvserve.paged_decode_attention.default,
         args,

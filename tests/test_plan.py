@@ -7,14 +7,13 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import make_hf_checkpoint, run_cli
 
 from kvserve.config import CacheConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.models.config import ModelConfig
+from kvserve.models.model_session import ModelSession
 from kvserve.plan import PlanInput, plan, plan_row
-from kvserve.session import ModelSession
 
 GB = 10**9
 
@@ -63,13 +62,25 @@ def test_llama_3_8b_config_by_hand() -> None:
     assert bf16_1k.requests == bf16_1k.pool_blocks // 63
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "model_dtype,dtype",
+    [
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("float32", "int8"),
+        ("bfloat16", "int4"),
+        ("bfloat16", "int4_asym"),
+        ("float32", "fp8_e4m3"),
+        ("bfloat16", "int4/int8"),
+        ("bfloat16", "int8/bfloat16"),
+    ],
+)
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_the_planned_pool_is_what_the_engine_allocates(
-    tmp_path: Path, dtype: str, block_size: int
+    tmp_path: Path, model_dtype: str, dtype: str, block_size: int
 ) -> None:
     path, _ = make_hf_checkpoint(tmp_path, "llama", num_key_value_heads=2)
-    session = ModelSession.open(path, dtype, "cpu")
+    session = ModelSession.open(path, model_dtype, "cpu")
     cfg = session.config
     inp = PlanInput(
         cfg.num_hidden_layers,
@@ -80,12 +91,12 @@ def test_the_planned_pool_is_what_the_engine_allocates(
         block_size=block_size,
     )
     row = plan_row(inp, dtype, 100)
-    engine = LLMEngine.from_session(
-        session,
-        CacheConfig(block_size=block_size, kv_cache_memory=row.kv_budget),
-        enforce_eager=True,
+    k, v = (dtype.split("/") * 2)[:2]
+    cache = CacheConfig(
+        block_size=block_size, kv_cache_memory=row.kv_budget, k_cache_dtype=k, v_cache_dtype=v
     )
-    assert engine.spec.dtype == getattr(torch, dtype)
+    engine = LLMEngine.from_session(session, cache, enforce_eager=True)
+    assert engine.spec.cache_dtype_name == dtype
     assert engine.kv_manager.pool.num_blocks == row.pool_blocks > 0
     assert engine.storage.nbytes == row.pool_blocks * block_size * row.bytes_per_token
     assert engine.spec.bytes_per_token == row.bytes_per_token

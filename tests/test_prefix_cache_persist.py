@@ -6,7 +6,6 @@ restart."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,10 @@ from kvserve.cache_fingerprint import cache_fingerprint
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv import persist
+from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.events import BlockStored
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
@@ -132,8 +132,9 @@ def test_fingerprint_covers_weights_and_dtype(session: ModelSession, tmp_path: P
     other_path, _ = make_hf_checkpoint(tmp_path, "llama", seed=1)
     other = ModelSession.open(other_path, "float32", "cpu")
     assert cache_fingerprint(other, spec, None)["weights_sha256"] != base["weights_sha256"]
-    bf16 = dataclasses.replace(spec, dtype=torch.bfloat16)
-    assert cache_fingerprint(session, bf16, None)["cache_dtype"] == "bfloat16"
+    int8 = session.model.kv_cache_spec(CacheDtype("int8"), CacheDtype("int8"))
+    assert cache_fingerprint(session, int8, None)["cache_dtype"] == "int8"
+    assert cache_fingerprint(session, int8, None)["layout"] != base["layout"]
     assert cache_fingerprint(session, spec, "q8_0")["quantization"] == "q8_0"
 
 

@@ -11,8 +11,8 @@ from conftest import make_hf_checkpoint, random_token_ids
 
 from kvserve import LLM, RequestOutput, SamplingParams  # as vLLM users import them
 from kvserve.engine.scheduler import SchedulerOutput
-from kvserve.reference import full_logits
-from kvserve.session import ModelSession
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.decoders import full_logits
 
 BLOCK = 4
 K = 3

@@ -15,7 +15,7 @@ from kvserve.kernels.quant_ref import dequantize_ref, quantize
 from kvserve.models.loader import load_model
 from kvserve.models.packed_linear import dense_state_dict
 from kvserve.platform import detect_cpu_features
-from kvserve.reference import full_logits
+from kvserve.reference.decoders import full_logits
 
 
 @pytest.mark.parametrize("quantization,qtype", [("q8_0", QT.Q8_0), ("q4_0", QT.Q4_0)])

@@ -14,13 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.generation import GenerationResult, generate
-from kvserve.kv.spec import KVCacheSpec
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.kv.cache_dtype import CacheDtype
+from kvserve.models.llama import LlamaForCausalLM, kv_cache_spec
 from kvserve.models.loader import load_model
-from kvserve.reference import DenseCacheDecoder, NoCacheDecoder, full_logits
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.decoders import DenseCacheDecoder, NoCacheDecoder, full_logits
+from kvserve.reference.generation import GenerationResult, generate
+from kvserve.reference.sessions import chat_turn, new_conversation
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession, chat_turn, new_conversation
 
 GREEDY_TOKENS = 64
 DECODER_ATOL = 1e-3  # no cache vs dense cache, logits of every step
@@ -117,7 +118,9 @@ def test_counters(greedy_pair, prompt_ids: list[int], smol: ModelSession) -> Non
     assert fast_dec.cache_bytes == expected
     # the planner's single source of bytes per token agrees with what the decoder allocated
     assert (
-        fast_dec.cache_bytes == KVCacheSpec.for_model(cfg, torch.float32).bytes_per_token * max_len
+        fast_dec.cache_bytes
+        == kv_cache_spec(cfg, CacheDtype("float32"), CacheDtype("float32")).bytes_per_token
+        * max_len
     )
     assert fast_dec.used_cache_bytes == expected * (p + n - 1) // max_len
 

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.generation import generate
-from kvserve.reference import DecodeCounters
+from kvserve.reference.decoders import DecodeCounters
+from kvserve.reference.generation import generate
 from kvserve.sampling import (
     SamplingParams,
     filtered_probs,

@@ -14,9 +14,9 @@ from test_sampling_batch import MIXED, mixed_logits
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from kvserve.engine.llm import LLM
+from kvserve.models.model_session import ModelSession
 from kvserve.penalties import History, apply_penalties
 from kvserve.sampling import SamplingParams, make_generator, sample, sample_batch, sample_step
-from kvserve.session import ModelSession
 
 # V = 6; prompt [0, 1], output [2, 2, 4]: token 3 and 5 never seen
 LOGITS = torch.tensor([[2.0, -1.0, 0.5, 0.0, 3.0, -4.0]])

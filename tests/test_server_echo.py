@@ -2,7 +2,7 @@
 on /v1/completions (as OpenAI and vLLM: the prompt's rows first, the first one null;
 ``max_tokens: 0`` for the prompt alone), vLLM's ``prompt_logprobs`` on both routes, and
 /tokenizer_info, /version. Logprobs are judged against a full no-cache forward of the same
-checkpoint (``kvserve.reference.full_logits``)."""
+checkpoint (``kvserve.reference.decoders.full_logits``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from server_helpers import MAX_MODEL_LEN, ServerProcess, start_server
 
-from kvserve.reference import full_logits
-from kvserve.session import ModelSession
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.decoders import full_logits
 from kvserve.tokenizer import Tokenizer
 
 TOL = 1e-4  # the engine's paged, chunked float32 forward vs the dense one

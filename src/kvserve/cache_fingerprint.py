@@ -17,7 +17,7 @@ from pathlib import Path
 from kvserve.kv.persist import FORMAT, FORMAT_VERSION
 from kvserve.kv.prefix_cache import HASH_ROOT
 from kvserve.kv.spec import KVCacheSpec
-from kvserve.session import ModelSession
+from kvserve.models.model_session import ModelSession
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -54,9 +54,9 @@ def cache_fingerprint(
         "hash_scheme": HASH_ROOT.decode(),
         "weights_sha256": files_sha256(weight_files(session.path)),
         "model_dtype": str(session.model.dtype).removeprefix("torch."),
-        "cache_dtype": str(spec.dtype).removeprefix("torch."),
+        "cache_dtype": spec.cache_dtype_name,
         "quantization": quantization or "none",
         "block_size": str(spec.block_size),
-        "layout": f"{spec.num_layers} layers x {spec.num_kv_heads} kv heads x {spec.head_dim}",
+        "layout": spec.describe(),  # layers, kinds, kv heads x head dim, K and V cache dtypes
         "tokenizer_sha256": tokenizer_sha256(session),
     }

@@ -31,10 +31,10 @@ from kvserve.config import EngineConfig
 from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
 from kvserve.engine.request import RequestOutput
 from kvserve.plan_cli import add_plan_args, run_plan
+from kvserve.reference.sessions import generate_once
+from kvserve.reference.verify import verify
 from kvserve.serve_args import add_serve_args, server_config
 from kvserve.server.config import ServerConfig
-from kvserve.session import generate_once
-from kvserve.verify import verify
 
 _SERVER_PORT = ServerConfig().port  # the cluster's router takes the server's default port
 

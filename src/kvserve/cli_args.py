@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.config import SCHEDULING_POLICIES, CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import (
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    parse_memory,
+)
 from kvserve.engine.llm import LLM
-from kvserve.kv.spec import parse_memory
 from kvserve.models.loader import DTYPE_CHOICES
+from kvserve.models.model_session import ModelSession
 from kvserve.models.weight_formats import QUANTIZATIONS
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession
 
 DEFAULT_MAX_TOKENS = 128  # the CLI's default; SamplingParams keeps vLLM's 16 for the API
 _SP, _CACHE, _SCHED = SamplingParams(), CacheConfig(), SchedulerConfig()

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither a budget nor a block count is given
+from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES
+
+GIB = 1 << 30
+DEFAULT_KV_CACHE_MEMORY = GIB  # 1 GiB when neither a budget nor a block count is given
 
 
 def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -27,11 +30,31 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # record every change to the prefix-cache index (kv/events.py) for a KV-events publisher
     enable_kv_cache_events: bool = False
+    # what K and V are stored as (kv/cache_dtype.py): "auto" = the model's dtype, exact; int8,
+    # int4, int4_asym, fp8_e4m3 are lossy (``kvserve eval-cache`` says how much). The k_ / v_
+    # fields, when set, override kv_cache_dtype for that side (llama.cpp's -ctk / -ctv).
+    kv_cache_dtype: str = "auto"
+    k_cache_dtype: str | None = None
+    v_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("kv_cache_dtype", "k_cache_dtype", "v_cache_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in CACHE_DTYPE_NAMES:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(CACHE_DTYPE_NAMES)}, got {value!r}"
+                )
         _positive_int("block_size", self.block_size)
         _positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
+
+    @property
+    def cache_dtypes(self) -> tuple[str, str]:
+        """The names K and V are stored as (either may still be "auto")."""
+        return (
+            self.k_cache_dtype or self.kv_cache_dtype,
+            self.v_cache_dtype or self.kv_cache_dtype,
+        )
 
 
 SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
@@ -78,3 +101,38 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False  # progress bar while loading weights
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int (bytes), a float (GiB) or a string: "2GiB", "512MiB", "1.5", "1e9"."""
+    if isinstance(value, bool):
+        raise TypeError(f"kv_cache_memory must be bytes or GiB, got {value!r}")
+    if isinstance(value, int):
+        result = value
+    elif isinstance(value, float):
+        result = int(value * GIB)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        units = {"gib": GIB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6, "kib": 1 << 10, "b": 1}
+        for unit, scale in units.items():
+            if text.endswith(unit):
+                try:
+                    return _positive(int(float(text[: -len(unit)]) * scale), value)
+                except ValueError as e:
+                    raise ValueError(f"cannot read kv_cache_memory {value!r}") from e
+        try:
+            number = float(text)
+        except ValueError as e:
+            raise ValueError(
+                f"cannot read kv_cache_memory {value!r}; use e.g. 2GiB or 512MiB"
+            ) from e
+        result = int(number) if number >= 1 << 20 else int(number * GIB)  # small numbers mean GiB
+    else:
+        raise TypeError(f"kv_cache_memory must be bytes or GiB, got {value!r}")
+    return _positive(result, value)
+
+
+def _positive(result: int, value: object) -> int:
+    if result <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+    return result

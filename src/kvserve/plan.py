@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import torch
-
-from kvserve.kv.spec import GIB, KVCacheSpec
+from kvserve.config import GIB
+from kvserve.intmath import cdiv
+from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES, CacheDtype
+from kvserve.kv.spec import FullAttentionSpec, KVCacheSpec
 
 # public memory sizes of common devices (what the spec sheet's "GB" means: GiB of HBM/GDDR)
 DEVICE_PRESETS: dict[str, int] = {
@@ -31,11 +32,8 @@ DEVICE_PRESETS: dict[str, int] = {
     "L4-24GB": 24 * GIB,
     "RTX-4090-24GB": 24 * GIB,
 }
-CACHE_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+# what a plan row may name: one cache dtype for K and V, or "K/V" apart ("int4/int8")
+CACHE_DTYPES = tuple(n for n in CACHE_DTYPE_NAMES if n != "auto")
 DEFAULT_RESERVE = 0.1  # vLLM's gpu_memory_utilization 0.9: activations, allocator slack
 
 
@@ -58,10 +56,12 @@ class PlanInput:
                 f"and {self.weights_bytes}"
             )
 
-    def spec(self, dtype: torch.dtype) -> KVCacheSpec:
-        return KVCacheSpec(
-            self.num_layers, self.num_kv_heads, self.head_dim, dtype, self.block_size
+    def spec(self, k_dtype: CacheDtype, v_dtype: CacheDtype) -> KVCacheSpec:
+        """The spec the engine would allocate (``models.llama.kv_cache_spec`` for these dims)."""
+        layer = FullAttentionSpec(
+            self.num_kv_heads, self.head_dim, k_dtype, v_dtype, self.block_size
         )
+        return KVCacheSpec.uniform(self.num_layers, layer)
 
     @property
     def kv_budget(self) -> int:
@@ -87,12 +87,10 @@ class PlanRow:
 def plan_row(inp: PlanInput, dtype: str, context: int) -> PlanRow:
     if context <= 0:
         raise ValueError(f"context must be a positive number of tokens, got {context}")
-    if dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache dtype must be one of {', '.join(CACHE_DTYPES)}, got {dtype!r}")
-    spec = inp.spec(CACHE_DTYPES[dtype])
+    spec = inp.spec(*parse_kv_dtypes(dtype))
     budget = inp.kv_budget
     blocks = spec.num_blocks_for(budget) if budget >= spec.bytes_per_block else 0
-    per_request_blocks = -(-context // spec.block_size)
+    per_request_blocks = cdiv(context, spec.block_size)
     return PlanRow(
         dtype=dtype,
         context=context,
@@ -104,6 +102,17 @@ def plan_row(inp: PlanInput, dtype: str, context: int) -> PlanRow:
         pool_tokens=blocks * spec.block_size,
         requests=blocks // per_request_blocks,
     )
+
+
+def parse_kv_dtypes(dtype: str) -> tuple[CacheDtype, CacheDtype]:
+    """ "int8" -> (int8, int8); "int4/int8" -> K int4, V int8."""
+    names = dtype.split("/")
+    if len(names) > 2 or any(n not in CACHE_DTYPES for n in names):
+        raise ValueError(
+            f"cache dtype must be one of {', '.join(CACHE_DTYPES)}, or K/V as int4/int8, "
+            f"got {dtype!r}"
+        )
+    return CacheDtype(names[0]), CacheDtype(names[-1])
 
 
 def plan(inp: PlanInput, dtypes: Sequence[str], contexts: Sequence[int]) -> list[PlanRow]:
@@ -121,12 +130,12 @@ def human(n: float) -> str:
 
 def table(rows: Sequence[PlanRow]) -> list[str]:
     lines = [
-        f"{'cache dtype':<11} {'context':>8} {'bytes/token':>12} {'per request':>24} "
+        f"{'cache dtype':<19} {'context':>8} {'bytes/token':>12} {'per request':>24} "
         f"{'pool tokens':>12} {'requests':>9}"
     ]
     for r in rows:
         lines.append(
-            f"{r.dtype:<11} {r.context:>8} {r.bytes_per_token:>12,} "
+            f"{r.dtype:<19} {r.context:>8} {r.bytes_per_token:>12,} "
             f"{human(r.bytes_per_request):>24} {r.pool_tokens:>12,} {r.requests:>9,}"
         )
     return lines

@@ -8,8 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
+from kvserve.config import parse_memory
 from kvserve.default_model import default_model_path
-from kvserve.kv.spec import parse_memory
 from kvserve.models.config import ModelConfig
 from kvserve.plan import (
     CACHE_DTYPES,
@@ -37,8 +37,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         nargs="+",
         default=["bfloat16"],
-        choices=list(CACHE_DTYPES),
-        help="one row per cache dtype",
+        metavar="DTYPE",
+        help=f"one row per cache dtype: {', '.join(CACHE_DTYPES)}, or K/V apart as int4/int8",
     )
     p.add_argument("--context", type=int, nargs="+", default=[2048, 8192, 32768])
     p.add_argument("--block-size", type=int, default=16)

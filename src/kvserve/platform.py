@@ -155,18 +155,6 @@ def auto_dtype(device: torch.device | str, features: CpuFeatures) -> torch.dtype
     return torch.float32
 
 
-def half_dtype_is_fast(
-    dtype: torch.dtype, device: torch.device | str, features: CpuFeatures
-) -> bool:
-    """Whether dense ``dtype`` matmuls run natively (False: emulated, far slower)."""
-    device = torch.device(device)
-    if dtype == torch.float32 or device.type != "cpu":
-        return True
-    if dtype == torch.bfloat16:
-        return features.native_bf16
-    return False  # float16 on CPU: no fast path kvserve relies on
-
-
 def measure_memory_bandwidth(budget_s: float = 1.0, nbytes: int = 512 << 20) -> float:
     """GB/s of a streaming read (sum of a float32 tensor far larger than the caches): the
     ceiling a decode step, which reads every weight once, is measured against."""

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.attention import causal_attention
+from kvserve.attention.no_cache import NoCacheAttention
 from kvserve.models.llama import EAGER_STEPS, LayerSteps, LlamaDecoderLayer, LlamaForCausalLM
 from kvserve.models.packed_linear import PackedLinear
 
@@ -52,10 +52,6 @@ class CompileResult:
     compiled: bool
     seconds: float
     reason: str  # why eager, or "" when compiled
-
-
-def _no_cache_attention(layer_idx: int, q, k, v) -> torch.Tensor:
-    return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), q.shape[-1] ** -0.5)
 
 
 def warmup_token_counts(model: LlamaForCausalLM) -> list[int]:
@@ -82,11 +78,12 @@ def _warmup(model: LlamaForCausalLM, steps: LayerSteps, counts: list[int]) -> Wa
     """Runs steps at each token count (compiling each variant) against eager."""
     worst, agree, total = 0.0, 0, 0
     g = torch.Generator().manual_seed(0)
+    attn = NoCacheAttention(model.config.attention_scale)
     for t in counts:
         ids = torch.randint(0, model.config.vocab_size, (t,), generator=g).to(model.device)
         pos = torch.arange(t, device=model.device)
-        want = model.compute_logits(model(ids, pos, _no_cache_attention, EAGER_STEPS))
-        got = model.compute_logits(model(ids, pos, _no_cache_attention, steps))
+        want = model.compute_logits(model(ids, pos, attn, EAGER_STEPS))
+        got = model.compute_logits(model(ids, pos, attn, steps))
         worst = max(worst, float((got - want).abs().max()))
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         total += t

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig
 from kvserve.engine.compiled_steps import compile_model
 from kvserve.engine.faults import FaultInjector, StepRecord, contain_step_failure, fail_all
 from kvserve.engine.fused_decode import FusedDecode
@@ -26,15 +26,15 @@ from kvserve.engine.prompt_logprobs import add_prompt_logprobs
 from kvserve.engine.request import Request, RequestOutput, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv import persist
+from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.events import KVCacheEvent
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.persist import CacheSnapshot, PersistReport
-from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import SamplingParams, make_generator, sample_step
-from kvserve.session import ModelSession
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,16 @@ class LLMEngine:
                 f"max_model_len {wanted} exceeds the model's context of {limit} tokens"
             )
         self.max_model_len = wanted or limit
-        self.spec = KVCacheSpec.for_model(model_config, model.dtype, cache_config.block_size)
+        k_name, v_name = cache_config.cache_dtypes
+        self.spec = model.kv_cache_spec(
+            CacheDtype.parse(k_name, model.dtype),
+            CacheDtype.parse(v_name, model.dtype),
+            cache_config.block_size,
+        )
         num_blocks = cache_config.num_blocks or self.spec.num_blocks_for(
             cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         )
-        self.storage = KVCacheStorage(self.spec, num_blocks, model.device)
+        self.storage = KVCacheStorage(self.spec, num_blocks, model.device, model.dtype)
         self.kv_manager = KVCacheManager(
             num_blocks,
             cache_config.block_size,
@@ -112,19 +117,13 @@ class LLMEngine:
         self.num_failed_steps = 0  # steps that raised (their requests failed)
         self.consecutive_step_failures = 0  # since the last step that did not raise
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token)",
+            "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token; %s)",
             num_blocks,
             self.spec.block_size,
             self.storage.nbytes / 2**20,
             self.spec.bytes_per_token,
+            self.spec.describe(),
         )
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        session = ModelSession.open(
-            config.model, config.dtype, config.device, config.show_progress, config.quantization
-        )
-        return cls.from_session(session, config.cache, config.scheduler, config.enforce_eager)
 
     @classmethod
     def from_session(

@@ -28,11 +28,11 @@ import logging
 
 import torch
 
+from kvserve.attention.paged import AttentionMetadata
 from kvserve.kernels.build import load_kernels
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quantized_linear import QuantizedLinear
-from kvserve.paged_attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class FusedDecode:
         self.num_heads = cfg.num_attention_heads
         self.intermediate = cfg.intermediate_size
         self.eps = cfg.rms_norm_eps
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         self.norms = [
             n.weight.detach().float().contiguous()
             for layer in model.model.layers
@@ -91,8 +91,10 @@ class FusedDecode:
         cfg = model.config
         if not isinstance(model, LlamaForCausalLM):
             return f"{type(model).__name__} is not the Llama family"
-        if model.device.type != "cpu" or storage.kv.device.type != "cpu":
+        if model.device.type != "cpu" or storage.device.type != "cpu":
             return "not on CPU"
+        if storage.kv is None:
+            return f"the cache is not one float tensor ({storage.spec.describe()})"
         if not load_kernels():
             return "C++ kernels not loaded"
         if cfg.attention_bias or cfg.o_proj_bias or cfg.qk_norm:

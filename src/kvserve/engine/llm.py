@@ -7,12 +7,11 @@ from collections.abc import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from kvserve.config import CacheConfig, SchedulerConfig
+from kvserve.config import CacheConfig, SchedulerConfig, parse_memory
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.request import RequestOutput
-from kvserve.kv.spec import parse_memory
+from kvserve.models.model_session import ModelSession
 from kvserve.sampling import RequestOutputKind, SamplingParams
-from kvserve.session import ModelSession
 
 Prompt = str | Sequence[int]
 _CACHE, _SCHED = CacheConfig(), SchedulerConfig()  # immutable: the defaults' single source

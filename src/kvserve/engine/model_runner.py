@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.attention.paged import AttentionMetadata, PagedAttention
 from kvserve.engine.faults import FaultInjector
 from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.prompt_logprobs import (
@@ -24,7 +25,6 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.llama import EAGER_STEPS, LayerSteps, LlamaForCausalLM
-from kvserve.paged_attention import AttentionMetadata, PagedAttention
 
 
 class StepLogits(NamedTuple):
@@ -119,7 +119,7 @@ class ModelRunner:
         if self.fused is not None and self.fused.fits(md):
             hidden = self.fused(input_ids, positions, md, self.storage)
         else:
-            attn = PagedAttention(self.storage, md)
+            attn = PagedAttention(self.storage, md, self.model.config.attention_scale)
             hidden = self.model(input_ids, positions, attn, self.steps)
         prompt = self._prompt_logprobs(order, requests, md.query_start_loc, hidden)
         rows = [i for i, s in enumerate(order) if s.samples]

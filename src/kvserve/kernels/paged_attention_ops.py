@@ -3,7 +3,7 @@ of when ``PagedAttention`` uses it.
 
 ``torch.ops.kvserve.paged_decode_attention`` attends one query token per request directly
 over the paged K/V cache (no gather); its slow twin is the grouped-SDPA decode of
-``kvserve.paged_attention`` (gather the blocks, mask, SDPA), which stays the fallback (no
+``kvserve.attention.paged`` (gather the blocks, mask, SDPA), which stays the fallback (no
 compiler, ``KVSERVE_KERNELS=0``) and the CUDA path.
 
 The kernel is used for every CPU decode batch: benchmarks/paged_attention.py measured it

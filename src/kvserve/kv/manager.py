@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvserve.intmath import cdiv
 from kvserve.kv.block_pool import BlockPool, KVBlock
 from kvserve.kv.events import KVCacheEvent, KVEventLog
 from kvserve.kv.prefix_cache import block_hashes
@@ -98,7 +99,7 @@ class KVCacheManager:
     ) -> int:
         have = len(self.blocks_of(req.request_id)) + len(computed)
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        return max(0, -(-total // self.block_size) - have)
+        return max(0, cdiv(total, self.block_size) - have)
 
     def allocate_slots(
         self, req: CacheRequest, num_new_tokens: int, computed: list[KVBlock] = ()
@@ -184,10 +185,6 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         """The prefix-cache index changes since the last call (empty when events are off)."""
         return self.events.take()
-
-    @property
-    def usage(self) -> float:
-        return self.pool.usage
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

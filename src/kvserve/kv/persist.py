@@ -41,7 +41,7 @@ from kvserve.kv.storage import KVCacheStorage
 logger = logging.getLogger(__name__)
 
 FORMAT = "kvserve-prefix-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: blocks as named storage tensors (codes and scales)
 FILE_NAME = "prefix-cache.safetensors"
 HASH_BYTES = 32  # sha256
 

@@ -1,59 +1,143 @@
-"""KVCacheSpec: the one place that knows how big the KV cache is.
+"""KV cache specs: what each layer caches per token, and so how big the cache is.
 
-Per token, a full-precision cache holds K and V for every layer and KV head:
-``2 x layers x kv_heads x head_dim x bytes per element``. The capacity planner, the storage
-allocator and the engine's memory budget all ask this record, so the bytes a plan promises are
-the bytes the engine allocates.
+The model declares its cache (``LlamaForCausalLM.kv_cache_spec``): one spec per layer. Every
+layer is full attention today, ``FullAttentionSpec``: per token, K and V for each KV head, each
+side stored as its ``CacheDtype`` (a float dtype, or codes + scales):
 
-The layout kinds reserved for later (same interface, different ``bytes_per_token`` and
-storage): quantized K/V with per-group scales (K and V may use different dtypes), sliding-window
-layers that release blocks outside the window, attention sinks, and a latent (MLA) cache that
-stores one compressed vector per token instead of K and V.
+    bytes per token of a layer = kv_heads x (K bytes per head + V bytes per head)
+
+Layers with equal specs form a ``KVCacheGroup``, which the storage allocates together (one
+tensor per side and kind of data); ``KVCacheSpec`` is the whole model's list. The capacity
+planner, the storage allocator and the engine's memory budget all ask these records, so the
+bytes a plan promises are the bytes the engine allocates. The sliding-window and latent (MLA)
+specs of later layouts slot in beside ``FullAttentionSpec`` with the same two properties.
+
+No model code is imported here: the model builds its specs from its config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from kvserve.models.config import ModelConfig
+from kvserve.kv.cache_dtype import CacheDtype
 
-GIB = 1 << 30
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _as_cache_dtype(d: CacheDtype | torch.dtype | str) -> CacheDtype:
+    if isinstance(d, CacheDtype):
+        return d
+    return CacheDtype.of(d) if isinstance(d, torch.dtype) else CacheDtype(d)
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec:
+    """A layer that attends over every earlier token: K and V of each token, kept."""
+
+    kind: ClassVar[str] = "full_attention"
+    num_kv_heads: int
+    head_dim: int
+    k_dtype: CacheDtype
+    v_dtype: CacheDtype
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "head_dim", "block_size"):
+            _positive(name, getattr(self, name))
+        for side in (self.k_dtype, self.v_dtype):
+            if not isinstance(side, CacheDtype):
+                raise TypeError(f"k_dtype / v_dtype must be CacheDtype, got {side!r}")
+            side.code_bytes(self.head_dim)  # raises for a head_dim the format cannot hold
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of one token in this layer: codes, scales and mins, exactly."""
+        d = self.head_dim
+        return self.num_kv_heads * (self.k_dtype.bytes_per_head(d) + self.v_dtype.bytes_per_head(d))
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def describe(self) -> str:
+        dtypes = (
+            self.k_dtype.name
+            if self.k_dtype == self.v_dtype
+            else f"K {self.k_dtype.name}, V {self.v_dtype.name}"
+        )
+        return f"{self.kind} ({self.num_kv_heads} kv heads x {self.head_dim}, {dtypes})"
+
+
+LayerSpec = FullAttentionSpec  # the union of layer kinds, as they are added
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """Layers with one spec: allocated together, read and written through one block table."""
+
+    layers: tuple[int, ...]
+    spec: LayerSpec
 
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    """Shape and dtype of one model's paged KV cache (all layers are full attention today)."""
+    """The whole model's cache: ``layers[i]`` is layer i's spec."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    block_size: int = 16
+    layers: tuple[LayerSpec, ...]
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"KV cache dtype must be float32, bfloat16 or float16, got {self.dtype}"
-            )
+        if not self.layers:
+            raise ValueError("a KV cache spec needs at least one layer")
+        sizes = {layer.block_size for layer in self.layers}
+        if len(sizes) != 1:
+            raise ValueError(f"every layer must use one block size, got {sorted(sizes)}")
 
     @classmethod
-    def for_model(
-        cls, config: ModelConfig, dtype: torch.dtype, block_size: int = 16
+    def uniform(cls, num_layers: int, layer: LayerSpec) -> KVCacheSpec:
+        _positive("num_layers", num_layers)
+        return cls((layer,) * num_layers)
+
+    @classmethod
+    def full_attention(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: CacheDtype | torch.dtype | str,
+        block_size: int = 16,
+        v_dtype: CacheDtype | torch.dtype | str | None = None,
     ) -> KVCacheSpec:
-        return cls(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype, block_size
-        )
+        """Every layer full attention with one shape (``dtype`` for K, and V unless given)."""
+        k = _as_cache_dtype(dtype)
+        v = k if v_dtype is None else _as_cache_dtype(v_dtype)
+        return cls.uniform(num_layers, FullAttentionSpec(num_kv_heads, head_dim, k, v, block_size))
+
+    @property
+    def groups(self) -> tuple[KVCacheGroup, ...]:
+        """Layers grouped by equal spec, in order of each group's first layer."""
+        by_spec: dict[LayerSpec, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            by_spec.setdefault(layer, []).append(i)
+        return tuple(KVCacheGroup(tuple(ids), spec) for spec, ids in by_spec.items())
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def block_size(self) -> int:
+        return self.layers[0].block_size
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of one token over all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """One token's cache over all layers."""
+        return sum(layer.bytes_per_token for layer in self.layers)
 
     @property
     def bytes_per_block(self) -> int:
@@ -68,40 +152,15 @@ class KVCacheSpec:
             )
         return kv_cache_memory // self.bytes_per_block
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    @property
+    def cache_dtype_name(self) -> str:
+        """ "bfloat16", "int8", or K/V apart as "int4/int8" (per group, comma-separated)."""
+        names = []
+        for g in self.groups:
+            k, v = g.spec.k_dtype.name, g.spec.v_dtype.name
+            names.append(k if k == v else f"{k}/{v}")
+        return ",".join(dict.fromkeys(names))
 
-
-def parse_memory(value: int | float | str) -> int:
-    """Bytes from an int (bytes), a float (GiB) or a string: "2GiB", "512MiB", "1.5", "1e9"."""
-    if isinstance(value, bool):
-        raise TypeError(f"kv_cache_memory must be bytes or GiB, got {value!r}")
-    if isinstance(value, int):
-        result = value
-    elif isinstance(value, float):
-        result = int(value * GIB)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        units = {"gib": GIB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6, "kib": 1 << 10, "b": 1}
-        for unit, scale in units.items():
-            if text.endswith(unit):
-                try:
-                    return _positive(int(float(text[: -len(unit)]) * scale), value)
-                except ValueError as e:
-                    raise ValueError(f"cannot read kv_cache_memory {value!r}") from e
-        try:
-            number = float(text)
-        except ValueError as e:
-            raise ValueError(
-                f"cannot read kv_cache_memory {value!r}; use e.g. 2GiB or 512MiB"
-            ) from e
-        result = int(number) if number >= 1 << 20 else int(number * GIB)  # small numbers mean GiB
-    else:
-        raise TypeError(f"kv_cache_memory must be bytes or GiB, got {value!r}")
-    return _positive(result, value)
-
-
-def _positive(result: int, value: object) -> int:
-    if result <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
-    return result
+    def describe(self) -> str:
+        """e.g. "30 x full_attention (3 kv heads x 64, int8)"."""
+        return ", ".join(f"{len(g.layers)} x {g.spec.describe()}" for g in self.groups)

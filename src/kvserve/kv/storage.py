@@ -1,84 +1,217 @@
-"""KVCacheStorage: the K/V tensors of the paged cache, one allocation for all layers.
+"""KVCacheStorage: the tensors of the paged cache, and the only code that touches their layout.
 
-Layout: ``kv[0 = K | 1 = V, layer, block_id, offset, kv_head, head_dim]``. A token's slot is
-``block_id * block_size + offset``; writes go through a slot mapping (one slot per token of
-the step), reads through a request's block table.
+Every reader and writer goes through this protocol:
+
+- ``write(layer, slot_mapping, k, v)``: this step's K/V at their slots (quantized here when the
+  side is stored quantized);
+- ``gather(layer, block_table)``: a batch of requests' K/V, dequantized to the compute dtype
+  (prefill chunks and the PyTorch decode path);
+- ``plane(layer, side)``: one side as the C++ decode kernels read it in place (codes, scales);
+- ``copy_blocks`` (copy-on-write: codes and scales alike), ``read_blocks`` / ``write_blocks``
+  (a saved prefix cache), ``nbytes``.
+
+A token's slot is ``block_id * block_size + offset``:
 
     block table [7, 2, 9]   block_size 4
     token positions  0 1 2 3 | 4 5 6 7 | 8 9
     slots           28 .. 31 | 8 .. 11 | 36 37
 
-The interface (``write``, ``key_cache`` / ``value_cache``, ``copy_blocks``, ``read_blocks`` /
-``write_blocks`` (a saved prefix cache), ``nbytes``) is what a
-quantized variant (codes + per-group scales, K and V in different dtypes), a sliding-window
-variant or a latent (MLA) variant implements differently behind the same calls.
+Layout, per group of layers with one spec (kv/spec.py), block dim after the layer dim:
+
+    float K and V of one dtype:  kv        (2 = K | V, layers, num_blocks, block_size, kv_heads, head_dim)
+    otherwise, per side s:       s.codes   (layers, num_blocks, block_size, kv_heads, code_bytes)
+                                 s.scales  (layers, num_blocks, block_size, kv_heads, groups) float16
+                                 s.mins    (same, int4_asym only)
+
+The first layout is what the fused decode step (``kvserve::decode_layers``) takes whole.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.spec import KVCacheSpec
+
+SIDES = ("k", "v")
+
+
+@dataclass(slots=True)
+class KVPlane:
+    """One side (K or V) of one layer, as kernels read it in place.
+
+    codes (num_blocks, block_size, kv_heads, code_bytes); scales / mins
+    (num_blocks, block_size, kv_heads, groups) float16, or None where the format has none.
+    """
+
+    dtype: CacheDtype
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    mins: torch.Tensor | None
+
+
+class _Group:
+    """The tensors of one group of layers; ``block_dim[name]`` is each one's block axis."""
+
+    def __init__(self, spec, num_layers: int, num_blocks: int, device) -> None:
+        self.spec = spec
+        lead = (num_layers, num_blocks, spec.block_size, spec.num_kv_heads)
+        d = spec.head_dim
+        self.tensors: dict[str, torch.Tensor] = {}
+        # zeros, not empty: a padded read of a never-written slot must not see NaN garbage
+        # (it is masked, but 0 * NaN would still poison the softmax-weighted sum)
+        if spec.k_dtype == spec.v_dtype and not spec.k_dtype.is_quantized:
+            self.tensors["kv"] = torch.zeros(
+                (2, *lead, d), dtype=spec.k_dtype.code_dtype, device=device
+            )
+            return
+        for side, dt in zip(SIDES, (spec.k_dtype, spec.v_dtype), strict=True):
+            self.tensors[f"{side}.codes"] = torch.zeros(
+                (*lead, dt.code_bytes(d)), dtype=dt.code_dtype, device=device
+            )
+            if dt.is_quantized:
+                shape = (*lead, dt.num_groups(d))
+                self.tensors[f"{side}.scales"] = torch.zeros(
+                    shape, dtype=torch.float16, device=device
+                )
+                if dt.name == "int4_asym":
+                    self.tensors[f"{side}.mins"] = torch.zeros(
+                        shape, dtype=torch.float16, device=device
+                    )
+
+    def block_dim(self, name: str) -> int:
+        return 2 if name == "kv" else 1
+
+    def plane(self, index: int, side: str) -> KVPlane:
+        dt = self.spec.k_dtype if side == "k" else self.spec.v_dtype
+        if "kv" in self.tensors:
+            return KVPlane(dt, self.tensors["kv"][SIDES.index(side), index], None, None)
+        scales = self.tensors.get(f"{side}.scales")
+        mins = self.tensors.get(f"{side}.mins")
+        return KVPlane(
+            dt,
+            self.tensors[f"{side}.codes"][index],
+            None if scales is None else scales[index],
+            None if mins is None else mins[index],
+        )
 
 
 class KVCacheStorage:
-    """Full-precision paged K/V for every layer."""
+    """The paged K/V of every layer. ``compute_dtype``: what dequantized reads return (the
+    model's activation dtype; default: the first float side's dtype, else float32)."""
 
     def __init__(
-        self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu"
+        self,
+        spec: KVCacheSpec,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        # zeros, not empty: a padded read of a never-written slot must not see NaN garbage
-        # (it is masked, but 0 * NaN would still poison the softmax-weighted sum)
-        self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.device = torch.device(device)
+        self.groups = [_Group(g.spec, len(g.layers), num_blocks, device) for g in spec.groups]
+        self._where: list[tuple[int, int]] = [(0, 0)] * spec.num_layers  # layer -> (group, index)
+        for gi, g in enumerate(spec.groups):
+            for index, layer in enumerate(g.layers):
+                self._where[layer] = (gi, index)
+        if compute_dtype is None:
+            floats = [d for layer in spec.layers for d in (layer.k_dtype, layer.v_dtype)]
+            floats = [d.code_dtype for d in floats if not d.is_quantized]
+            compute_dtype = floats[0] if floats else torch.float32
+        self.compute_dtype = compute_dtype
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        return sum(t.nbytes for g in self.groups for t in g.tensors.values())
 
-    def key_cache(self, layer: int) -> torch.Tensor:
-        """(num_blocks, block_size, num_kv_heads, head_dim)"""
-        return self.kv[0, layer]
+    @property
+    def kv(self) -> torch.Tensor | None:
+        """The one (2, layers, num_blocks, block_size, kv_heads, head_dim) tensor when every
+        layer stores K and V in one float dtype (what the fused decode step takes), else None."""
+        if len(self.groups) == 1 and "kv" in self.groups[0].tensors:
+            return self.groups[0].tensors["kv"]
+        return None
 
-    def value_cache(self, layer: int) -> torch.Tensor:
-        return self.kv[1, layer]
+    @property
+    def is_quantized(self) -> bool:
+        return any(
+            d.is_quantized for layer in self.spec.layers for d in (layer.k_dtype, layer.v_dtype)
+        )
+
+    def plane(self, layer: int, side: str) -> KVPlane:
+        gi, index = self._where[layer]
+        return self.groups[gi].plane(index, side)
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Store k, v: (T, num_kv_heads, head_dim) at slots (T,)."""
-        flat = (-1, self.spec.num_kv_heads, self.spec.head_dim)
-        self.kv[0, layer].view(flat).index_copy_(0, slot_mapping, k.to(self.spec.dtype))
-        self.kv[1, layer].view(flat).index_copy_(0, slot_mapping, v.to(self.spec.dtype))
+        for side, x in zip(SIDES, (k, v), strict=True):
+            p = self.plane(layer, side)
+            for dst, src in zip((p.codes, p.scales, p.mins), p.dtype.quantize(x), strict=True):
+                if dst is not None:
+                    dst.view(-1, *dst.shape[2:]).index_copy_(0, slot_mapping, src)
 
-    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
-        """These blocks' contents in every layer, as named CPU tensors whose first dim is the
-        block (what a saved prefix cache holds; a quantized layout would add its scales):
-        ``kv`` is (len(block_ids), 2, num_layers, block_size, num_kv_heads, head_dim)."""
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        return {"kv": self.kv[:, :, ids].permute(2, 0, 1, 3, 4, 5).contiguous().cpu()}
-
-    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """The inverse of ``read_blocks``: ``tensors`` as it returned them, into these blocks."""
-        kv = tensors.get("kv")
-        if kv is None:
-            raise ValueError(f"no 'kv' tensor among the saved blocks' {sorted(tensors)}")
-        expected = (len(block_ids), *self.kv.shape[:2], *self.kv.shape[3:])
-        if tuple(kv.shape) != expected or kv.dtype != self.kv.dtype:
-            raise ValueError(
-                f"blocks of shape {tuple(kv.shape)} {kv.dtype} do not fit this cache's "
-                f"{expected} {self.kv.dtype}"
-            )
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
-        self.kv[:, :, ids] = kv.permute(1, 2, 0, 3, 4, 5).to(self.kv.device)
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """block_table (b, nb) long -> k, v (b, nb * block_size, kv_heads, head_dim) in
+        ``compute_dtype``: the tables' blocks in order, dequantized. Rows past a request's
+        length are whatever the slot holds (zeros if never written): the caller masks them."""
+        out = []
+        for side in SIDES:
+            p = self.plane(layer, side)
+            parts = [
+                None if t is None else t[block_table].flatten(1, 2)
+                for t in (p.codes, p.scales, p.mins)
+            ]
+            head_dim = self.spec.layers[layer].head_dim
+            out.append(p.dtype.dequantize(*parts, head_dim, self.compute_dtype))
+        return out[0], out[1]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write of a shared block)."""
-        if src:
-            s = torch.tensor(src, device=self.kv.device)
-            d = torch.tensor(dst, device=self.kv.device)
-            self.kv[:, :, d] = self.kv[:, :, s]
+        if not src:
+            return
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for g in self.groups:
+            for name, t in g.tensors.items():
+                t.index_copy_(g.block_dim(name), d, t.index_select(g.block_dim(name), s))
+
+    def _named(self):
+        single = len(self.groups) == 1
+        for gi, g in enumerate(self.groups):
+            for name, t in g.tensors.items():
+                yield (name if single else f"g{gi}.{name}"), g.block_dim(name), t
+
+    def read_blocks(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        """These blocks' contents in every layer, as named CPU tensors whose first dim is the
+        block (what a saved prefix cache holds, codes and scales alike)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return {
+            name: t.index_select(dim, ids).movedim(dim, 0).contiguous().cpu()
+            for name, dim, t in self._named()
+        }
+
+    def write_blocks(self, block_ids: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of ``read_blocks``: ``tensors`` as it returned them, into these blocks."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        named = list(self._named())
+        if sorted(tensors) != sorted(n for n, _, _ in named):
+            raise ValueError(
+                f"the saved blocks hold {sorted(tensors)}, this cache {sorted(n for n, _, _ in named)}"
+            )
+        for name, dim, t in named:
+            x = tensors[name]
+            expected = (len(block_ids), *(s for i, s in enumerate(t.shape) if i != dim))
+            if tuple(x.shape) != expected or x.dtype != t.dtype:
+                raise ValueError(
+                    f"saved {name!r} of shape {tuple(x.shape)} {x.dtype} does not fit this "
+                    f"cache's {expected} {t.dtype}"
+                )
+        for name, dim, t in named:
+            t.index_copy_(dim, ids, tensors[name].to(self.device).movedim(0, dim))

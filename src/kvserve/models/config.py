@@ -93,6 +93,11 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
     @property
+    def attention_scale(self) -> float:
+        """The softmax scale every attention backend uses: head_dim ** -0.5 (HF's default)."""
+        return self.head_dim**-0.5
+
+    @property
     def max_model_len(self) -> int:
         """Longest sequence we can run exactly (sliding-window models are capped at the window)."""
         if self.sliding_window is not None:

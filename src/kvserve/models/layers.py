@@ -76,11 +76,6 @@ class RotaryEmbedding(nn.Module):
             persistent=False,
         )
 
-    def set_freq_factors(self, freq_factors: torch.Tensor) -> None:
-        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, freq_factors).to(
-            self.inv_freq.device
-        )
-
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

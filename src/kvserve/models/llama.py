@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvserve.attention import AttentionBackend
+from kvserve.attention.backend import AttentionBackend
+from kvserve.kv.cache_dtype import CacheDtype
+from kvserve.kv.spec import FullAttentionSpec, KVCacheSpec
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -149,9 +151,31 @@ class LlamaForCausalLM(nn.Module):
             x = after(layer, x, attn(layer.self_attn.layer_idx, q, k, v))
         return self.model.norm(x)
 
+    def kv_cache_spec(
+        self,
+        k_dtype: CacheDtype | None = None,
+        v_dtype: CacheDtype | None = None,
+        block_size: int = 16,
+    ) -> KVCacheSpec:
+        """The cache this model needs, one spec per layer (see ``kv_cache_spec``); K and V in
+        the model's own dtype (the exact cache) unless given."""
+        exact = CacheDtype.of(self.dtype)
+        return kv_cache_spec(self.config, k_dtype or exact, v_dtype or exact, block_size)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits (matmul in the model dtype, as HF)."""
         return self.lm_head(hidden).float()
+
+
+def kv_cache_spec(
+    config: ModelConfig, k_dtype: CacheDtype, v_dtype: CacheDtype, block_size: int = 16
+) -> KVCacheSpec:
+    """Every layer of the Llama family is full attention over its KV heads. (Sliding-window
+    checkpoints are capped at their window today, so a full-attention cache is exact for them.)"""
+    layer = FullAttentionSpec(
+        config.num_key_value_heads, config.head_dim, k_dtype, v_dtype, block_size
+    )
+    return KVCacheSpec.uniform(config.num_hidden_layers, layer)
 
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

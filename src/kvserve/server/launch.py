@@ -21,6 +21,7 @@ from kvserve.config import EngineConfig
 from kvserve.default_model import default_model_path
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.faults import FaultInjector
+from kvserve.models.model_session import ModelSession
 from kvserve.server.app import build_app, new_state
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.config import ServerConfig
@@ -28,7 +29,6 @@ from kvserve.server.engine_records import WorkerInfo
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prefix_cache_dir import PrefixCacheDir
 from kvserve.server.serving import Served
-from kvserve.session import ModelSession
 
 # HF architecture names of the model types models/llama.py serves (SUPPORTED_MODEL_TYPES;
 # SmolLM checkpoints are Llama ones)

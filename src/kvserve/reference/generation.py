@@ -16,7 +16,7 @@ import torch
 
 from kvserve.engine.output import append_token, take_text_delta
 from kvserve.engine.request import Request
-from kvserve.reference import DecodeCounters
+from kvserve.reference.decoders import DecodeCounters
 from kvserve.sampling import SamplingParams, make_generator, sample_step
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -45,18 +45,6 @@ class GenerationResult:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens over the whole request time (prefill included)."""
-        total = self.ttft_s + self.decode_s
-        return self.completion_tokens / total if total > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first over the decode time: 1 / time per output token."""
-        n = self.completion_tokens - 1
-        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
 def generate(

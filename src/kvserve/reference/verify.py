@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvserve.kv.spec import KVCacheSpec
+from kvserve.models.model_session import ModelSession
+from kvserve.reference.sessions import generate_once
 from kvserve.sampling import SamplingParams
-from kvserve.session import ModelSession, generate_once
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ def verify(session: ModelSession, prompt: str, max_tokens: int) -> VerifyReport:
         float((a - b).abs().max())
         for a, b in zip(slow.step_logits[:compared], fast.step_logits[:compared], strict=True)
     )
-    spec = KVCacheSpec.for_model(session.config, session.model.dtype)
+    spec = session.model.kv_cache_spec()
     cache_bytes = spec.bytes_per_token * (len(prompt_ids) + max_tokens)
     return VerifyReport(
         prompt_tokens=len(prompt_ids),

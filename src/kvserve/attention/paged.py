@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention import causal_attention
+from kvserve.attention.backend import causal_attention
+from kvserve.intmath import cdiv
 from kvserve.kernels.paged_attention_ops import (
     decode_kernel_available,
     default_isa,
@@ -57,20 +58,19 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
-    """(num_blocks, block_size, H, D) cache, padded block ids -> the first n rows (n, H, D)."""
-    nb = -(-n // cache.shape[1])
-    return cache[block_table[:nb]].flatten(0, 1)[:n]
-
-
 def _attend_one(
-    storage: KVCacheStorage, md: AttentionMetadata, layer_idx: int, i: int, q: torch.Tensor
+    storage: KVCacheStorage,
+    md: AttentionMetadata,
+    layer_idx: int,
+    i: int,
+    q: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Request i's queries (t, H, D) over its cached keys: causal, offset = seq_len - t."""
     lo, hi, n = md.query_start_loc[i], md.query_start_loc[i + 1], md.seq_lens[i]
-    k = _gather(storage.key_cache(layer_idx), md.block_tables[i], n).transpose(0, 1)
-    v = _gather(storage.value_cache(layer_idx), md.block_tables[i], n).transpose(0, 1)
-    return causal_attention(q[lo:hi], k, v, q.shape[-1] ** -0.5)
+    nb = cdiv(n, storage.spec.block_size)
+    k, v = storage.gather(layer_idx, md.block_tables[i : i + 1, :nb])  # (1, nb * bs, H, D)
+    return causal_attention(q[lo:hi], k[0, :n].transpose(0, 1), v[0, :n].transpose(0, 1), scale)
 
 
 DECODE_GROUP = 8  # decodes attended per SDPA call (measured best of 4, 8, 16, 32)
@@ -78,49 +78,54 @@ DECODE_GROUP = 8  # decodes attended per SDPA call (measured best of 4, 8, 16, 3
 
 def sdpa_decode(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    storage: KVCacheStorage,
+    layer_idx: int,
     block_tables: torch.Tensor,
     seq_lens: list[int],
     seq_lens_tensor: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """Decodes q (B, heads, head_dim), one query each, over gathered blocks: the PyTorch twin
-    of ``paged_decode_attention`` (same arguments; seq_lens also as a list, so no sync)."""
+    """Decodes q (B, heads, head_dim), one query each, over gathered (dequantized) blocks: the
+    PyTorch twin of the decode kernels (seq_lens also as a list, so no sync)."""
     out = torch.empty_like(q)
-    block_size = k_cache.shape[1]
+    block_size = storage.spec.block_size
     # groups of DECODE_GROUP: each gathers and pads only to its own longest context (the
     # runner sorts decodes by length, so groups are similar)
     for lo in range(0, q.shape[0], DECODE_GROUP):
         hi = min(q.shape[0], lo + DECODE_GROUP)
-        nb = -(-max(seq_lens[lo:hi]) // block_size)
-        table = block_tables[lo:hi, :nb]  # (b, nb)
-        # (b, nb, bs, kvh, D) -> (b, kvh, S, D)
-        k = k_cache[table].flatten(1, 2).transpose(1, 2)
-        v = v_cache[table].flatten(1, 2).transpose(1, 2)
+        nb = cdiv(max(seq_lens[lo:hi]), block_size)
+        k, v = storage.gather(layer_idx, block_tables[lo:hi, :nb])  # (b, S, kvh, D)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # (b, kvh, S, D)
         b, kvh, s, d = k.shape
-        qg = q[lo:hi].view(b, kvh, -1, d)  # (b, kvh, group, D)
+        qg = q[lo:hi].view(b, kvh, -1, d).to(k.dtype)  # (b, kvh, group, D)
         visible = torch.arange(s, device=q.device)[None, :] < seq_lens_tensor[lo:hi, None]
         o = F.scaled_dot_product_attention(
-            qg, k, v, attn_mask=visible[:, None, None, :], scale=d**-0.5
+            qg, k, v, attn_mask=visible[:, None, None, :], scale=scale
         )  # (b, kvh, group, D)
-        out[lo:hi] = o.reshape(b, -1, d)
+        out[lo:hi] = o.reshape(b, -1, d).to(q.dtype)
     return out
 
 
 class PagedAttention:
     """The ``AttentionBackend`` of one engine step.
 
-    ``use_kernel``: attend decodes with the C++ kernel (None: whenever it is loaded and the
-    cache is on CPU); False takes the grouped-SDPA path.
+    ``scale``: the softmax scale (``ModelConfig.attention_scale``). ``use_kernel``: attend
+    decodes with a C++ kernel (None: whenever it is loaded and the cache is on CPU); False takes
+    the grouped-SDPA path.
     """
 
     def __init__(
-        self, storage: KVCacheStorage, metadata: AttentionMetadata, use_kernel: bool | None = None
+        self,
+        storage: KVCacheStorage,
+        metadata: AttentionMetadata,
+        scale: float,
+        use_kernel: bool | None = None,
     ) -> None:
         self.storage = storage
         self.md = metadata
+        self.scale = scale
         if use_kernel is None:
-            use_kernel = decode_kernel_available(storage.kv.device)
+            use_kernel = decode_kernel_available(storage.device)
         self.use_kernel = use_kernel
         self.isa = default_isa()  # read once per step, not once per layer
 
@@ -134,29 +139,35 @@ class PagedAttention:
             out[:nd] = self._decode(layer_idx, q[:nd])
         for i in range(nd, self.md.num_reqs):  # prefill chunks: one request at a time
             out[self.md.query_start_loc[i] : self.md.query_start_loc[i + 1]] = _attend_one(
-                self.storage, self.md, layer_idx, i, q
+                self.storage, self.md, layer_idx, i, q, self.scale
             )
         return out
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Decode requests [0, B): q (B, heads, head_dim), one query each."""
-        md, nd = self.md, q.shape[0]
-        k_cache, v_cache = self.storage.key_cache(layer_idx), self.storage.value_cache(layer_idx)
+        md, nd, st = self.md, q.shape[0], self.storage
         tables, lens = md.block_tables[:nd], md.seq_lens_tensor[:nd]
         if self.use_kernel:
-            return paged_decode_attention(
-                q, k_cache, v_cache, tables, lens, q.shape[-1] ** -0.5, self.isa
-            )
-        return sdpa_decode(q, k_cache, v_cache, tables, md.seq_lens[:nd], lens)
+            kp, vp = st.plane(layer_idx, "k"), st.plane(layer_idx, "v")
+            if not (kp.dtype.is_quantized or vp.dtype.is_quantized) and kp.dtype == vp.dtype:
+                return paged_decode_attention(
+                    q, kp.codes, vp.codes, tables, lens, self.scale, self.isa
+                )
+            # MERGE-PENDING: the quantized decode kernel (helper branch kvq)
+        return sdpa_decode(q, st, layer_idx, tables, md.seq_lens[:nd], lens, self.scale)
 
 
 def reference_paged_attention(
-    storage: KVCacheStorage, md: AttentionMetadata, layer_idx: int, q: torch.Tensor
+    storage: KVCacheStorage,
+    md: AttentionMetadata,
+    layer_idx: int,
+    q: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """Per request: gather its blocks, causal SDPA. K/V of this step must already be written."""
     out = torch.empty_like(q)
     for i in range(md.num_reqs):
         out[md.query_start_loc[i] : md.query_start_loc[i + 1]] = _attend_one(
-            storage, md, layer_idx, i, q
+            storage, md, layer_idx, i, q, scale
         )
     return out

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.attention import causal_attention
+from kvserve.attention.dense import DenseAttention
+from kvserve.attention.no_cache import NoCacheAttention
 from kvserve.models.llama import LlamaForCausalLM
 
 
@@ -36,17 +37,14 @@ def _as_ids(token_ids: Sequence[int] | torch.Tensor, device: torch.device) -> to
     return torch.as_tensor(token_ids, dtype=torch.long, device=device).reshape(-1)
 
 
-def _no_cache_attention(layer_idx: int, q, k, v) -> torch.Tensor:
-    # k, v: (T, kv_heads, head_dim) for the whole sequence -> (kv_heads, T, head_dim)
-    return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), q.shape[-1] ** -0.5)
-
-
 @torch.inference_mode()
 def full_logits(model: LlamaForCausalLM, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Logits (T, vocab) float32 of every position of one sequence, no cache at all."""
     ids = _as_ids(token_ids, model.device)
     positions = torch.arange(ids.numel(), device=model.device)
-    return model.compute_logits(model(ids, positions, _no_cache_attention))
+    return model.compute_logits(
+        model(ids, positions, NoCacheAttention(model.config.attention_scale))
+    )
 
 
 class NoCacheDecoder:
@@ -84,27 +82,7 @@ class NoCacheDecoder:
     def _forward_last(self) -> torch.Tensor:
         ids = _as_ids(self.tokens, self.model.device)
         positions = torch.arange(ids.numel(), device=self.model.device)
-        return self.model(ids, positions, _no_cache_attention)[-1:]
-
-
-class _DenseWrite:
-    """Attention backend of one forward pass: write K/V at [start, start+T), attend over [0, start+T)."""
-
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> None:
-        self.k_cache, self.v_cache, self.start = k_cache, v_cache, start
-
-    def __call__(self, layer_idx: int, q, k, v) -> torch.Tensor:
-        t = q.shape[0]
-        end = self.start + t
-        # caches: (layers, kv_heads, max_len, head_dim); k, v: (T, kv_heads, head_dim)
-        self.k_cache[layer_idx, :, self.start : end] = k.transpose(0, 1)
-        self.v_cache[layer_idx, :, self.start : end] = v.transpose(0, 1)
-        return causal_attention(
-            q,
-            self.k_cache[layer_idx, :, :end],
-            self.v_cache[layer_idx, :, :end],
-            q.shape[-1] ** -0.5,
-        )
+        return self.model(ids, positions, NoCacheAttention(self.model.config.attention_scale))[-1:]
 
 
 class DenseCacheDecoder:
@@ -167,7 +145,9 @@ class DenseCacheDecoder:
         start = len(self.tokens)
         ids = _as_ids(new_tokens, self.model.device)
         positions = torch.arange(start, start + ids.numel(), device=self.model.device)
-        backend = _DenseWrite(self.k_cache, self.v_cache, start)
+        backend = DenseAttention(
+            self.k_cache, self.v_cache, start, self.model.config.attention_scale
+        )
         hidden = self.model(ids, positions, backend)
         self.tokens.extend(new_tokens)
         self.counters.kv_projections += len(new_tokens)
