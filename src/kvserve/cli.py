@@ -1,4 +1,4 @@
-"""kvserve command line: generate | chat | serve | cluster | plan | verify | info.
+"""kvserve command line: generate | chat | serve | cluster | plan | eval-cache | verify | info.
 
 The CLI owns the terminal: it parses flags, configures logging, prints. Everything it runs
 lives in the library. ``generate`` and ``chat`` run on the paged engine; ``generate
@@ -30,6 +30,7 @@ from kvserve.cluster import run as run_cluster
 from kvserve.config import EngineConfig
 from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
 from kvserve.engine.request import RequestOutput
+from kvserve.eval_cache_cli import add_eval_cache_args, run_eval_cache
 from kvserve.plan_cli import add_plan_args, run_plan
 from kvserve.reference.sessions import generate_once
 from kvserve.reference.verify import verify
@@ -90,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
+    add_eval_cache_args(
+        sub.add_parser(
+            "eval-cache",
+            help="what each lossy KV cache costs against the exact one: perplexity, KL, top-1",
+        )
+    )
     v = sub.add_parser("verify", help="no-cache vs cached decoding on the same prompt")
     add_model_args(v)
     v.add_argument("--prompt", default="The key-value cache of a transformer stores")
@@ -278,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verify": _cmd_verify,
         "info": _cmd_info,
         "plan": run_plan,
+        "eval-cache": run_eval_cache,
     }
     try:
         return commands[args.command](args)

@@ -14,6 +14,7 @@ from kvserve.config import (
     parse_memory,
 )
 from kvserve.engine.llm import LLM
+from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES
 from kvserve.models.loader import DTYPE_CHOICES
 from kvserve.models.model_session import ModelSession
 from kvserve.models.weight_formats import QUANTIZATIONS
@@ -71,6 +72,20 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
         help="KV cache size in blocks (overrides --kv-cache-memory)",
     )
     p.add_argument("--block-size", type=int, default=_CACHE.block_size)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=_CACHE.kv_cache_dtype,
+        choices=CACHE_DTYPE_NAMES,
+        help="what K and V are stored as: auto (the model dtype, exact) or a lossy int8, int4 "
+        "(q4_0-like), int4_asym (q4_1-like), fp8_e4m3; kvserve eval-cache says what each costs",
+    )
+    for side in ("k", "v"):
+        p.add_argument(
+            f"--{side}-cache-dtype",
+            default=None,
+            choices=CACHE_DTYPE_NAMES,
+            help=f"{side.upper()} alone (overrides --kv-cache-dtype for {side.upper()})",
+        )
     p.add_argument(
         "--enforce-eager",
         action="store_true",
@@ -155,6 +170,9 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         kv_cache_memory=None if memory is None else parse_memory(memory),
         num_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        k_cache_dtype=args.k_cache_dtype,
+        v_cache_dtype=args.v_cache_dtype,
     )
 
 

@@ -1,0 +1,1 @@
+"""Data files shipped with the package (eval-cache's default text)."""
