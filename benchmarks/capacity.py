@@ -7,12 +7,17 @@ depend on token values when EOS is ignored, so the bookkeeping is exactly the en
 come from KVCacheSpec, the same function the engine allocates with.
 
     python -m benchmarks.capacity [--kv-cache-memory 256MiB] [--dtype bfloat16] [--num-requests 256]
+        [--kv-cache-dtype auto int8 fp8_e4m3 int4_asym int4 int4/int8]
+
+One row per cache dtype (K/V apart as int4/int8): bytes per token, the pool's blocks and the
+requests held at once at the same memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import dataclass
 
 from benchmarks.common import workload_offline
 from kvserve.config import SchedulerConfig, parse_memory
@@ -34,23 +39,21 @@ def model_config(model: str | None):
     return read_gguf_config(gguf)[0] if gguf else read_hf_config(path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    ap.add_argument("--kv-cache-memory", default="256MiB")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
-    args = ap.parse_args()
+@dataclass(frozen=True, slots=True)
+class CapacityRow:
+    cache_dtype: str
+    bytes_per_token: int
+    num_blocks: int
+    max_running: int
+    median_running: float
+    mean_empty_slots: float
+    preemptions: int
+    dense_requests: int  # one max_model_len buffer per request, same memory
 
-    cfg = model_config(args.model)
-    exact = CacheDtype.of(parse_dtype(args.dtype))
-    spec = kv_cache_spec(cfg, exact, exact, args.block_size)
-    memory = parse_memory(args.kv_cache_memory)
+
+def simulate(cfg, spec, memory: int, args, max_model_len: int, workload) -> CapacityRow:
+    """The real Scheduler and KVCacheManager over the workload, a simulated model."""
     num_blocks = spec.num_blocks_for(memory)
-    max_model_len = args.max_model_len or cfg.max_model_len
     kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
     sched = Scheduler(
         SchedulerConfig(
@@ -59,7 +62,7 @@ def main() -> None:
         kv,
         max_model_len,
     )
-    prompts, outputs = workload_offline(args.num_requests, cfg.vocab_size)
+    prompts, outputs = workload
     for i, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
         sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=o, ignore_eos=True)))
     running, waste = [], []
@@ -78,26 +81,70 @@ def main() -> None:
                 status = append_token(req, 7, None, max_model_len)
                 if status is not None:
                     sched.finish(req, status)
+    return CapacityRow(
+        spec.cache_dtype_name,
+        spec.bytes_per_token,
+        num_blocks,
+        max(running),
+        statistics.median(running),
+        statistics.mean(waste),
+        sched.num_preemptions,
+        memory // (spec.bytes_per_token * max_model_len),
+    )
 
-    dense_per_req = spec.bytes_per_token * max_model_len
-    dense_max = memory // dense_per_req
-    mean_tokens = statistics.mean(len(p) + o for p, o in zip(prompts, outputs, strict=True))
-    print(
-        f"capacity: model={cfg.model_type} dtype={args.dtype} KV memory={memory / 2**20:.0f} MiB "
-        f"({spec.bytes_per_token} bytes/token, {num_blocks} blocks of {args.block_size}), "
-        f"max_model_len={max_model_len}, {args.num_requests} offline requests "
-        f"(mean prompt+output {mean_tokens:.0f} tokens)"
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-memory", default="256MiB")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=["auto", "int8", "fp8_e4m3", "int4_asym", "int4", "int4/int8"],
+        help="one row each; auto = --dtype (the exact cache); K/V apart as int4/int8",
     )
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    args = ap.parse_args()
+
+    cfg = model_config(args.model)
+    memory = parse_memory(args.kv_cache_memory)
+    max_model_len = args.max_model_len or cfg.max_model_len
+    workload = workload_offline(args.num_requests, cfg.vocab_size)
+    mean_tokens = statistics.mean(len(p) + o for p, o in zip(*workload, strict=True))
+    model_dtype = parse_dtype(args.dtype)
+    rows = []
+    for name in args.kv_cache_dtype:
+        k, v = (name.split("/") * 2)[:2]
+        spec = kv_cache_spec(
+            cfg,
+            CacheDtype.parse(k, model_dtype),
+            CacheDtype.parse(v, model_dtype),
+            args.block_size,
+        )
+        rows.append(simulate(cfg, spec, memory, args, max_model_len, workload))
     print(
-        f"dense, one max_model_len buffer per request: {dense_max} requests at once, "
-        f"slots holding no token at the mean request: {1 - mean_tokens / max_model_len:.1%}"
+        f"capacity: model={cfg.model_type} activations={args.dtype} KV memory="
+        f"{memory / 2**20:.0f} MiB, blocks of {args.block_size}, max_model_len={max_model_len}, "
+        f"{args.num_requests} offline requests (mean prompt+output {mean_tokens:.0f} tokens, "
+        f"max_num_seqs {args.max_num_seqs})"
     )
+    base = rows[0]
     print(
-        f"paged blocks: {max(running)} requests at once (max), {statistics.median(running):.0f} median; "
-        f"slots allocated but empty: {statistics.mean(waste):.2%} mean, {max(waste):.2%} worst step; "
-        f"preemptions {sched.num_preemptions}"
+        "| cache dtype | bytes/token | blocks | tokens vs first row | paged: requests at once "
+        "(max / median) | empty slots (mean) | preemptions | dense: requests at once |"
     )
-    print(f"ratio paged / dense requests at once: {max(running) / max(dense_max, 1):.1f}x")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.cache_dtype} | {r.bytes_per_token:,} | {r.num_blocks:,} "
+            f"| {base.bytes_per_token / r.bytes_per_token:.2f}x | {r.max_running} / "
+            f"{r.median_running:.0f} | {r.mean_empty_slots:.2%} | {r.preemptions} "
+            f"| {r.dense_requests} |"
+        )
 
 
 if __name__ == "__main__":
