@@ -121,3 +121,35 @@ def test_plan_cli_text_and_json(capsys: pytest.CaptureFixture, tmp_path: Path) -
     assert row["bytes_per_token"] == 131_072 and row["kv_budget"] == int(80 * 2**30 * 0.9) - 16 * GB
     code, _, err = run_cli(capsys, "plan", "--layers", "32", "--context", "8192")
     assert code == 2 and "together" in err
+
+
+def test_plan_text_costs_its_tokens(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    # the lessons' tokens chapter: a specialist text takes more tokens per word than plain
+    # prose, and every token costs the same KV bytes
+    from kvserve.default_model import default_model_path
+    from kvserve.tokenizer import Tokenizer
+
+    gguf = default_model_path()
+    tok = Tokenizer.load(gguf.parent, gguf)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("The cat sat on the mat and looked at the garden for a long time.\n")
+    clinical = tmp_path / "clinical.txt"
+    clinical.write_text("Pt w/ hx of NSTEMI, s/p PCI; dx: HFrEF, EF 35%, on ASA, clopidogrel.\n")
+    got = {}
+    for f in (plain, clinical):
+        code, out, _ = run_cli(
+            capsys, "plan", "--text", str(f), "--kv-cache-dtype", "bfloat16", "int8",
+            "--context", "2048", "--json",
+        )  # fmt: skip
+        assert code == 0
+        bf16, int8 = json.loads(out)["text"]["costs"]
+        n = len(tok.encode(f.read_text(), add_special_tokens=False))
+        assert bf16["tokens"] == n and bf16["words"] == len(f.read_text().split())
+        assert bf16["kv_bytes"] == n * 2 * 30 * 3 * 64 * 2  # SmolLM2-135M, bfloat16
+        assert int8["kv_bytes"] == n * 30 * 3 * (68 + 68)  # int8: 64 codes + 2 scales, K and V
+        assert bf16["allocated_bytes"] == -(-n // 16) * 16 * 2 * 30 * 3 * 64 * 2
+        assert bf16["context_share"]["2048"] == pytest.approx(n / 2048)
+        got[f.name] = bf16["tokens_per_word"]
+    assert got["clinical.txt"] > got["plain.txt"]
+    code, out, _ = run_cli(capsys, "plan", "--text", str(plain), "--context", "8192")
+    assert "tokens per word" in out and "of KV" in out

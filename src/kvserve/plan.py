@@ -104,6 +104,41 @@ def plan_row(inp: PlanInput, dtype: str, context: int) -> PlanRow:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TextCost:
+    """What one text holds in the cache: the lessons' tokens chapter ends in this bill."""
+
+    dtype: str
+    tokens: int
+    words: int
+    kv_bytes: int  # tokens x bytes per token, exactly
+    allocated_bytes: int  # in whole blocks, as the pool hands them out
+    context_share: dict[int, float]  # context length -> share of it the text takes
+
+    @property
+    def tokens_per_word(self) -> float:
+        return self.tokens / self.words if self.words else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_word"] = self.tokens_per_word
+        return d
+
+
+def text_cost(
+    inp: PlanInput, dtype: str, tokens: int, words: int, contexts: Sequence[int]
+) -> TextCost:
+    spec = inp.spec(*parse_kv_dtypes(dtype))
+    return TextCost(
+        dtype=dtype,
+        tokens=tokens,
+        words=words,
+        kv_bytes=tokens * spec.bytes_per_token,
+        allocated_bytes=cdiv(tokens, spec.block_size) * spec.bytes_per_block,
+        context_share={c: tokens / c for c in contexts},
+    )
+
+
 def parse_kv_dtypes(dtype: str) -> tuple[CacheDtype, CacheDtype]:
     """ "int8" -> (int8, int8); "int4/int8" -> K int4, V int8."""
     names = dtype.split("/")

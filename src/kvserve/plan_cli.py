@@ -16,9 +16,11 @@ from kvserve.plan import (
     DEFAULT_RESERVE,
     DEVICE_PRESETS,
     PlanInput,
+    TextCost,
     human,
     plan,
     table,
+    text_cost,
 )
 
 THIS_MACHINE = "this-machine"
@@ -61,6 +63,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_RESERVE,
         help="share of device memory kept for activations and slack (vLLM's 1 - "
         "gpu_memory_utilization)",
+    )
+    p.add_argument(
+        "--text",
+        type=Path,
+        default=None,
+        help="a UTF-8 text: its tokens under the model's tokenizer, tokens per word, the KV "
+        "bytes it holds and its share of each --context",
     )
     p.add_argument("--json", action="store_true")
     p.add_argument("--verbose", "-v", action="store_true", help="log more")
@@ -113,13 +122,33 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
     return name, inp
 
 
+def _text_costs(args: argparse.Namespace, inp: PlanInput) -> list[TextCost]:
+    """The text's tokens under the model's own tokenizer, costed per cache dtype."""
+    from kvserve.models.gguf_checkpoint import find_gguf_file
+    from kvserve.tokenizer import Tokenizer
+
+    if args.model is None and args.layers is not None:
+        raise ValueError("--text needs a model's tokenizer: give --model (or no dims)")
+    path = Path(args.model) if args.model else default_model_path()
+    if path.name.endswith(".json"):
+        path = path.parent  # a config.json beside its tokenizer files
+    gguf = path if path.suffix == ".gguf" else find_gguf_file(path)
+    tok = Tokenizer.load(path if gguf is None else gguf.parent, gguf)
+    text = args.text.read_text("utf-8")
+    tokens = len(tok.encode(text, add_special_tokens=False))
+    words = len(text.split())
+    return [text_cost(inp, d, tokens, words, args.context) for d in args.kv_cache_dtype]
+
+
 def run_plan(args: argparse.Namespace) -> int:
     name, inp = plan_input(args)
     rows = plan(inp, args.kv_cache_dtype, args.context)
+    costs = _text_costs(args, inp) if args.text is not None else []
     if args.json:
-        print(
-            json.dumps({"model": name, "input": inp_dict(inp), "rows": [r.as_dict() for r in rows]})
-        )
+        out = {"model": name, "input": inp_dict(inp), "rows": [r.as_dict() for r in rows]}
+        if costs:
+            out["text"] = {"path": str(args.text), "costs": [c.as_dict() for c in costs]}
+        print(json.dumps(out))
         return 0
     print(name)
     print(
@@ -137,6 +166,13 @@ def run_plan(args: argparse.Namespace) -> int:
                 f"{human(r.bytes_per_request)} per request (as {k},000 tokens, the lessons' "
                 f"rounding: {rounded / 1e9:.2f} GB); {r.requests} requests fit"
             )
+    for c in costs:
+        shares = ", ".join(f"{s:.1%} of {n:,}" for n, s in c.context_share.items())
+        print(
+            f"{args.text.name}: {c.tokens:,} tokens, {c.words:,} words ({c.tokens_per_word:.2f} "
+            f"tokens per word); at {c.dtype} it holds {c.kv_bytes:,} bytes = {human(c.kv_bytes)} "
+            f"of KV ({human(c.allocated_bytes)} in whole blocks), {shares} tokens of context"
+        )
     return 0
 
 
