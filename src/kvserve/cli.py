@@ -31,6 +31,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
 from kvserve.engine.request import RequestOutput
 from kvserve.eval_cache_cli import add_eval_cache_args, run_eval_cache
+from kvserve.kv import cache_explain
 from kvserve.plan_cli import add_plan_args, run_plan
 from kvserve.reference.sessions import generate_once
 from kvserve.reference.verify import verify
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="K",
         help="top-K logprobs per token (with --json)",
+    )
+    g.add_argument(
+        "--explain-cache",
+        action="store_true",
+        help="say how many prompt tokens came from the prefix cache and why not more",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
 
@@ -133,11 +139,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.no_cache:
         r = generate_once(session, prompt_ids, params, no_cache=True, on_text=on_text)
         token_ids, text, finish, cached = r.token_ids, r.text, r.finish_reason, 0
+        explanation = None  # no prefix cache on the no-cache path
         projections, ttft, total = r.kv_projections, r.ttft_s, r.ttft_s + r.decode_s
         logprobs = r.logprobs
     else:
         out: RequestOutput | None = None
-        for out in make_llm(args, session).stream(prompt_ids, params):
+        llm = make_llm(args, session)
+        for out in llm.stream(prompt_ids, params, explain_cache=args.explain_cache):
             if on_text is not None and out.new_text:
                 on_text(out.new_text)
         assert out is not None and out.finished
@@ -152,6 +160,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
         projections, ttft, total = out.kv_projections, out.ttft_s, out.ttft_s + out.decode_time_s
         logprobs = out.logprobs
+        explanation = out.kv_cache
     if args.json:
         result = {
             "token_ids": token_ids,
@@ -167,6 +176,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         }
         if logprobs is not None:
             result["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in logprobs]
+        if explanation is not None:
+            result["kv_cache"] = cache_explain.as_dict(explanation, _decoder(session))
         print(json.dumps(result))
     else:
         decode_rate = (len(token_ids) - 1) / (total - ttft) if total > ttft else 0.0
@@ -176,7 +187,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             f"finish={finish}, TTFT {ttft * 1e3:.0f} ms, {decode_rate:.1f} tok/s decode]",
             file=sys.stderr,
         )
+        if explanation is not None:
+            print(cache_explain.describe(explanation, _decoder(session)), file=sys.stderr)
     return 0
+
+
+def _decoder(session):
+    tok = session.tokenizer
+    return None if tok is None else tok.decode
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -197,7 +215,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(messages)
         out: RequestOutput | None = None
         try:
-            for out in llm.stream(prompt, params):
+            for out in llm.stream(prompt, params, explain_cache=args.verbose):
                 _write(out.new_text)
         except ValueError as e:  # e.g. the conversation outgrew max_model_len
             messages.pop()
@@ -214,6 +232,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
                 f"{len(prompt) - out.num_cached_tokens} computed; {len(out.token_ids)} generated]",
                 file=sys.stderr,
             )
+            if out.kv_cache is not None:
+                print(cache_explain.describe(out.kv_cache, tokenizer.decode), file=sys.stderr)
     return 0
 
 

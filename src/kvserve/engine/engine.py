@@ -162,10 +162,13 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        explain_cache: bool = False,
     ) -> Request:
         """Queue a request; raises ValueError (``RequestRejected``, naming the field) if it can
         never run (nothing is queued then). ``priority`` orders admission under the
-        "priority" scheduling policy (lower first) and is ignored by the others."""
+        "priority" scheduling policy (lower first) and is ignored by the others.
+        ``explain_cache``: the outputs carry ``kv_cache``, how much of the prompt the prefix
+        cache served and why not more (kv/cache_explain.py)."""
         params = params or SamplingParams()
         ids = self.encode(prompt)
         self.limits.check(ids, params)
@@ -176,6 +179,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
             priority=priority,
+            explain_cache=explain_cache,
             generator=make_generator(params.seed, self.runner.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
         )
@@ -204,6 +208,7 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
                 prompt_logprobs=parent.prompt_logprobs,  # complete, never changed again
                 prompt_token_ranks=parent.prompt_token_ranks,
+                cache_explanation=parent.cache_explanation,  # the prompt's, shared
                 parent_id=parent.request_id,
                 sample_index=i,
                 forked=True,

@@ -76,6 +76,7 @@ class LLM:
         use_tqdm: bool = True,
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
+        explain_cache: bool = False,
     ) -> list[RequestOutput]:
         """Run all prompts to completion; outputs in the order of the prompts, and for a
         prompt with ``n > 1`` its n samples in a row (``index`` 0 .. n-1). Each is a final
@@ -84,6 +85,8 @@ class LLM:
         Every prompt is checked before any is queued: one that can never fit raises
         ValueError and nothing runs. ``priority`` (one per prompt, lower first) orders them
         under ``scheduling_policy="priority"``, as in vLLM; the other policies ignore it.
+        ``explain_cache``: each output's ``kv_cache`` says how much of its prompt the prefix
+        cache served and why not more (``kvserve.kv.cache_explain``).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt: text, or one list of token ids
@@ -105,7 +108,9 @@ class LLM:
             engine.limits.check(ids, p)
         order = []
         for ids, p, prio in zip(encoded, params, priorities, strict=True):
-            rid = engine.add_request(ids, p, cache_salt=cache_salt, priority=prio).request_id
+            rid = engine.add_request(
+                ids, p, cache_salt=cache_salt, priority=prio, explain_cache=explain_cache
+            ).request_id
             order += [rid] + [f"{rid}-{i}" for i in range(1, p.n)]  # ids the engine forks
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="requests", disable=not use_tqdm) as bar:
@@ -121,6 +126,7 @@ class LLM:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
+        explain_cache: bool = False,
     ) -> Iterator[RequestOutput]:
         """One request, yielding an output per generated token (the last one has finished=True).
 
@@ -134,7 +140,7 @@ class LLM:
                 f"stream() follows one sample; got n={sampling_params.n} (use generate)"
             )
         params = _with_kind(sampling_params or SamplingParams(), RequestOutputKind.DELTA)
-        req = engine.add_request(prompt, params, cache_salt=cache_salt)
+        req = engine.add_request(prompt, params, cache_salt=cache_salt, explain_cache=explain_cache)
         try:
             while True:
                 for out in engine.step():

@@ -104,6 +104,7 @@ def make_output(req: Request) -> RequestOutput | None:
         ),
         num_preemptions=req.num_preemptions,
         kv_projections=req.kv_projections,
+        kv_cache=req.cache_explanation,
         parent_request_id=req.parent_id,
         index=req.sample_index,
         error=req.error,

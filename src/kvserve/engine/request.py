@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.cache_explain import CacheExplanation
 from kvserve.sampling import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer
 
@@ -44,6 +45,8 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # the "priority" policy: lower runs first, ties by arrival (vLLM)
+    explain_cache: bool = False  # say at admission why the prefix cache served what it did
+    cache_explanation: CacheExplanation | None = None  # set at first admission, if asked
     all_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -136,3 +139,5 @@ class RequestOutput:
     # every output (they are known before the first token is sampled)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ranks: list[int | None] | None = None  # rank of each prompt token (1 = best)
+    # explain_cache requested: how much of the prompt the prefix cache served, and why not more
+    kv_cache: CacheExplanation | None = None

@@ -240,6 +240,8 @@ class Scheduler:
             deferred.append(req)  # its prefix is being computed: wait and hit it
             return True
         n = min(req.num_tokens - num_hit, step.budget)
+        # before allocating: new blocks may evict the very cached block a miss is explained by
+        why = self.kv.explain(req, num_hit) if req.explain_cache else None
         if self.kv.allocate_slots(req, n, computed) is None:
             self.waiting.appendleft(req)  # no room now; it stays first in line
             return False
@@ -248,6 +250,7 @@ class Scheduler:
         req.num_computed_tokens = num_hit
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit
+            req.cache_explanation = why
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         req.status = RequestStatus.RUNNING

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from kvserve.intmath import cdiv
 from kvserve.kv.block_pool import BlockPool, KVBlock
+from kvserve.kv.cache_explain import CacheExplanation, explain
 from kvserve.kv.events import KVCacheEvent, KVEventLog
 from kvserve.kv.prefix_cache import block_hashes
 
@@ -87,6 +88,16 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def explain(self, req: CacheRequest, num_hit: int) -> CacheExplanation:
+        """Why ``req``'s lookup found ``num_hit`` tokens (kv/cache_explain.py)."""
+        n = len(req.all_token_ids)
+        if not self.enable_prefix_caching or req.skip_reading_prefix_cache:
+            cause = "caching_off" if not self.enable_prefix_caching else "skipped"
+            return CacheExplanation(n, num_hit, cause, self.block_size)
+        return explain(
+            self.pool, self.block_size, req.all_token_ids, req.block_hashes, req.cache_salt, num_hit
+        )
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count an admitted request's lookup once (retries while the pool is full don't)."""

@@ -28,6 +28,12 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: bytes
     return h.digest()
 
 
+def salt_bytes(cache_salt: str | None) -> bytes:
+    """The extra key a salt puts in a first block's hash (empty: no salt)."""
+    # surrogatepass: any Python str is a valid salt, even one no UTF-8 text could carry
+    return cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+
+
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int,
@@ -36,8 +42,7 @@ def block_hashes(
 ) -> list[bytes]:
     """Hashes of every full block of ``token_ids``; extends ``start`` (hashes already known)."""
     hashes = list(start or [])
-    # surrogatepass: any Python str is a valid salt, even one no UTF-8 text could carry
-    salt = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
+    salt = salt_bytes(cache_salt)
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
         chunk = token_ids[i * block_size : (i + 1) * block_size]

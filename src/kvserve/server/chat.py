@@ -112,7 +112,9 @@ async def create_chat_completion(
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = served.submit(
-        [PromptSpec(ids, params)], salt_for(tenant_of(request), req.cache_salt), rid
+        [PromptSpec(ids, params, explain_cache=req.return_cache_info)],
+        salt_for(tenant_of(request), req.cache_salt),
+        rid,
     )
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -142,6 +144,7 @@ async def create_chat_completion(
         prompt_logprobs=None
         if req.prompt_logprobs is None
         else vllm_prompt_logprobs(served, finals[(0, 0)], req.prompt_logprobs),
+        kv_cache=served.cache_info(finals[(0, 0)]) if req.return_cache_info else None,
     )
     return JSONResponse(body.model_dump())
 

@@ -130,7 +130,7 @@ def _prepare(
             requested, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
         )
         params = served.sampling_params(req, max_tokens, req.logprobs, prompt_k)
-        specs.append(PromptSpec(ids, params))
+        specs.append(PromptSpec(ids, params, explain_cache=req.return_cache_info))
     return prompts, specs
 
 
@@ -201,6 +201,7 @@ def _choice(
         prompt_logprobs=None
         if req.prompt_logprobs is None
         else vllm_prompt_logprobs(served, out, req.prompt_logprobs),
+        kv_cache=served.cache_info(out) if req.return_cache_info else None,
     )
 
 

@@ -25,6 +25,7 @@ class PromptSpec:
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    explain_cache: bool = False  # outputs carry kv_cache (kv/cache_explain.py)
 
 
 @dataclass(frozen=True, slots=True)

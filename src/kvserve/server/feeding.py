@@ -55,7 +55,12 @@ class Feeding:
             rid = group.request_ids[i]
             try:
                 req = self.engine.add_request(
-                    spec.prompt_token_ids, spec.params, rid, group.cache_salt, priority=i
+                    spec.prompt_token_ids,
+                    spec.params,
+                    rid,
+                    group.cache_salt,
+                    priority=i,
+                    explain_cache=spec.explain_cache,
                 )
             except ValueError as e:  # checked by the handler already; a last line of defence
                 self._abort_group(group, f"refused by the engine: {e}")

@@ -9,7 +9,7 @@ names the parameter.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -62,6 +62,9 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1)
+    # kvserve's: the response says how many prompt tokens the prefix cache served and, when a
+    # cached prefix diverged, where and why ("kv_cache"); not on streams
+    return_cache_info: bool = False
     user: str | None = None
     # vLLM's: the top-K logprobs at every prompt position (the first is null); not streamed
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -156,6 +159,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    kv_cache: dict[str, Any] | None = None  # return_cache_info: this prompt's explanation
 
 
 class CompletionResponse(BaseModel):
@@ -201,6 +205,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's: the prompt's, once per response
+    kv_cache: dict[str, Any] | None = None  # return_cache_info: the prompt's explanation
 
 
 class DeltaMessage(BaseModel):

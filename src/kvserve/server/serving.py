@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.limits import RequestLimits, RequestRejected
 from kvserve.engine.request import RequestOutput
+from kvserve.kv import cache_explain
 from kvserve.sampling import RequestOutputKind, SamplingParams
 from kvserve.server import bounds
 from kvserve.server.async_engine import (
@@ -118,6 +119,13 @@ class Served:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def cache_info(self, out: RequestOutput) -> dict | None:
+        """``return_cache_info``: the prompt's prefix-cache explanation, texts decoded."""
+        if out.kv_cache is None:
+            return None
+        decode = None if self.tokenizer is None else self.token_texts
+        return cache_explain.as_dict(out.kv_cache, decode)
 
     def token_texts(self, token_ids: Sequence[int]) -> str:
         """The text of a token-id prompt, special tokens included (echo shows them)."""
