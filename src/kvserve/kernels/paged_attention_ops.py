@@ -65,3 +65,50 @@ def paged_decode_attention(
     return torch.ops.kvserve.paged_decode_attention(
         q, key_cache, value_cache, block_tables, seq_lens, scale, isa
     )
+
+
+def paged_decode_attention_quant(
+    q: torch.Tensor,
+    k_codes: torch.Tensor,
+    k_scales: torch.Tensor | None,
+    k_mins: torch.Tensor | None,
+    k_format: int,
+    v_codes: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    v_mins: torch.Tensor | None,
+    v_format: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    isa: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged cache whose K and V are each stored in a
+    ``kvserve.kv.cache_dtype.CacheDtype`` format, read in place (``csrc/paged_attention_quant.cpp``).
+
+    q: (B, num_heads, head_dim) float32 / bfloat16 / float16. Each side (K, V) is
+    ``codes`` (num_blocks, block_size, num_kv_heads, code_bytes), contiguous, with
+    ``scales`` / ``mins`` (num_blocks, block_size, num_kv_heads, num_groups) float16 or None,
+    and ``format`` = ``CacheDtype.format_code``: 0 float (codes are the float32 / bfloat16 /
+    float16 values, no scales), 1 int8, 2 int4, 3 int4_asym (the only one with mins),
+    4 fp8_e4m3; exactly what ``CacheDtype.quantize`` returns, per block. K and V formats are
+    independent. block_tables (B, max_blocks) int64, seq_lens (B,) int64, as
+    ``paged_decode_attention``. Returns (B, num_heads, head_dim) in q's dtype; float32
+    accumulation over the values ``CacheDtype.dequantize`` gives. ``isa`` as
+    ``paged_decode_attention``.
+    """
+    isa = default_isa() if isa is None else isa
+    return torch.ops.kvserve.paged_decode_attention_quant(
+        q,
+        k_codes,
+        k_scales,
+        k_mins,
+        k_format,
+        v_codes,
+        v_scales,
+        v_mins,
+        v_format,
+        block_tables,
+        seq_lens,
+        scale,
+        isa,
+    )
