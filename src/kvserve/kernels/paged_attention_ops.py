@@ -10,6 +10,12 @@ The kernel is used for every CPU decode batch: benchmarks/paged_attention.py mea
 faster at every shape of the default model it covers (B 1, 8, 64; context 128..2048; float32
 3.0-4.2x, bfloat16 4.2-5.3x on AVX-512, 2.5-3.5x on the AVX2 path; one thread, Zen 5), so
 there is no shape where the gather path is kept by choice.
+
+``torch.ops.kvserve.paged_decode_attention_quant`` is the same attention over a cache whose K
+and V are each stored in a ``kvserve.kv.cache_dtype.CacheDtype`` (int8, int4, int4_asym,
+fp8_e4m3 codes with float16 scales, or a float dtype): ``benchmarks/kv_dtype_attention.py``
+measured every quantized format faster than the float kernel over bfloat16 at B 8 and 64
+(1.1-1.3x at 2048 tokens from L3, 1.6-1.8x at B 64 from DRAM).
 """
 
 from __future__ import annotations
