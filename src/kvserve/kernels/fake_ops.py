@@ -33,3 +33,12 @@ def register_fakes() -> None:
     @torch.library.register_fake("kvserve::dequantize")
     def _dequantize(qweight, qtype, out_features, in_features, isa=-1):
         return qweight.new_empty((out_features, in_features), dtype=torch.float32)
+
+    # paged_decode_attention and paged_decode_attention_quant (q-shaped, q's dtype) have C++
+    # Meta kernels instead, over sym_sizes, so sizes stay symbolic there too; register_fake
+    # raises for an op that has one, which would fail this whole registration.
+
+    @torch.library.register_fake("kvserve::kv_dequantize")
+    def _kv_dequantize(codes, scales, mins, format, isa=-1):
+        head_dim = codes.shape[1] * (2 if format in (2, 3) else 1)  # int4: two values a byte
+        return codes.new_empty((codes.shape[0], head_dim), dtype=torch.float32)

@@ -315,6 +315,28 @@ Kernels<T> kernels_for(int64_t isa) {
   return {qk_scalar<T>, pv_scalar<T>, softmax_scalar};
 }
 
+// The same primitives with the element type erased (paged_attention.h): captureless lambdas
+// that cast the rows back to T.
+template <typename T, auto QK, auto PV>
+kvserve_attn::RowKernels erased(float (*softmax)(float*, int64_t)) {
+  return {[](const float* q, int64_t G, int64_t D, const void* k, int64_t stride, int64_t rows,
+             float* s, int64_t ss) { QK(q, G, D, static_cast<const T*>(k), stride, rows, s, ss); },
+          [](const float* p, int64_t ps, int64_t G, int64_t D, const void* v, int64_t stride,
+             int64_t rows, float* acc) {
+            PV(p, ps, G, D, static_cast<const T*>(v), stride, rows, acc);
+          },
+          softmax};
+}
+
+template <typename T>
+kvserve_attn::RowKernels row_kernels_for(int64_t isa) {
+#if defined(__x86_64__)
+  if (isa == kAvx512) return erased<T, qk_avx512<T>, pv_avx512<T>>(softmax_avx512);
+  if (isa == kAvx2) return erased<T, qk_avx2<T>, pv_avx2<T>>(softmax_avx2);
+#endif
+  return erased<T, qk_scalar<T>, pv_scalar<T>>(softmax_scalar);
+}
+
 // Blocks sit anywhere in the pool and a kv head's rows are strided, so the hardware
 // prefetcher loses the stream at every block: fetch the rows kAhead blocks ahead ourselves
 // (measured from DRAM, one thread: float32 7.7 -> 11 GB/s, bfloat16 6 -> 10 GB/s; 2 and 4
@@ -458,6 +480,16 @@ int64_t check_block_tables(const int64_t* tp, int64_t width, const int64_t* lp, 
     max_len = std::max(max_len, lp[b]);
   }
   return max_len;
+}
+
+RowKernels row_kernels(at::ScalarType dtype, int64_t isa) {
+  switch (dtype) {
+    case at::kFloat: return row_kernels_for<float>(isa);
+    case at::kBFloat16: return row_kernels_for<BFloat16>(isa);
+    case at::kHalf: return row_kernels_for<Half>(isa);
+    default: TORCH_CHECK(false, "paged attention: row dtype must be float32, bfloat16 or "
+                         "float16, got ", dtype);
+  }
 }
 
 void paged_attend_raw(const float* q, const void* kc, const void* vc, at::ScalarType dtype,

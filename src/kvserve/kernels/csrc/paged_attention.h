@@ -23,4 +23,19 @@ void paged_attend_raw(const float* q, const void* kc, const void* vc, at::Scalar
                       int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_len, int64_t isa,
                       float* out);
 
+// The per-ISA primitives of paged_attention.cpp over rows of one float dtype, for kernels that
+// bring their own rows (paged_attention_quant.cpp). A block is `rows` rows of `dtype`,
+// `stride` elements apart; s is (G, n) with row stride ss, acc (G, D), q (G, D) pre-scaled.
+//   qk: s[g * ss + r] = q[g] . k[r];   pv: acc[g * D + d] += sum_r p[g * ps + r] v[r][d];
+//   softmax: s[0..n) <- exp(s - max s), returns the sum.
+struct RowKernels {
+  void (*qk)(const float* q, int64_t G, int64_t D, const void* k, int64_t stride, int64_t rows,
+             float* s, int64_t ss);
+  void (*pv)(const float* p, int64_t ps, int64_t G, int64_t D, const void* v, int64_t stride,
+             int64_t rows, float* acc);
+  float (*softmax)(float* s, int64_t n);
+};
+// dtype float32 / bfloat16 / float16, isa supported (not -1): checked by the caller.
+RowKernels row_kernels(at::ScalarType dtype, int64_t isa);
+
 }  // namespace kvserve_attn
