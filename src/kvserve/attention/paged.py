@@ -9,9 +9,12 @@ and describes each request by its ``seq_len`` (tokens cached after this step, th
 included) and its block table. ``PagedAttention`` writes this step's K/V at ``slot_mapping``
 and then attends:
 
-- decodes, on CPU with the C++ kernel loaded: ``kvserve::paged_decode_attention`` reads
-  every request's K/V in place through its block table (kernels/paged_attention_ops.py;
-  3-5x faster than the gather below at every shape benchmarks/paged_attention.py covers);
+- decodes, on CPU with the C++ kernels loaded: ``kvserve::paged_decode_attention`` (float
+  K/V) or ``kvserve::paged_decode_attention_quant`` (either side quantized, each block
+  dequantized in L1) reads every request's K/V in place through its block table
+  (kernels/paged_attention_ops.py; 3-5x faster than the gather below at every shape
+  benchmarks/paged_attention.py covers; over int8 / int4 blocks 1.4-1.8x faster than over
+  bfloat16 at B 64, benchmarks/kv_dtype_attention.py);
 - otherwise (no kernel, KVSERVE_KERNELS=0, CUDA) ``sdpa_decode``: in groups of DECODE_GROUP
   requests of similar length (the runner sorts them), gather each request's blocks into
   (B, S, kv_heads, head_dim), mask keys past its length, one SDPA call per group with the
@@ -38,6 +41,7 @@ from kvserve.kernels.paged_attention_ops import (
     decode_kernel_available,
     default_isa,
     paged_decode_attention,
+    paged_decode_attention_quant,
 )
 from kvserve.kv.storage import KVCacheStorage
 
@@ -153,7 +157,15 @@ class PagedAttention:
                 return paged_decode_attention(
                     q, kp.codes, vp.codes, tables, lens, self.scale, self.isa
                 )
-            # MERGE-PENDING: the quantized decode kernel (helper branch kvq)
+            return paged_decode_attention_quant(
+                q,
+                *(kp.codes, kp.scales, kp.mins, kp.dtype.format_code),
+                *(vp.codes, vp.scales, vp.mins, vp.dtype.format_code),
+                tables,
+                lens,
+                self.scale,
+                self.isa,
+            )
         return sdpa_decode(q, st, layer_idx, tables, md.seq_lens[:nd], lens, self.scale)
 
 
