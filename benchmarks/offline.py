@@ -12,7 +12,7 @@ warm-up are not timed, only its ``generate`` call.
 
     python -m benchmarks.offline [--dtype auto] [--num-requests 64] [--runs 3] [--hf] \\
         [--vllm-python .peers/vllm/bin/python] [--vllm-model .peers/smollm2-hf] \\
-        [--vllm-dtype same|float32|bfloat16]
+        [--vllm-dtype same|float32|bfloat16] [--kv-cache-dtype auto|int8|int4|...]
 
 The vLLM peer and the converted model come from ``bash benchmarks/peers/setup.sh vllm``;
 without them that row is left out.
@@ -79,6 +79,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="kvserve's cache dtype (auto: the exact cache; int8, int4, ... are lossy)",
+    )
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
@@ -108,7 +113,11 @@ def main() -> None:
     llm, dtype = with_dtype_fallback(
         # no prefix caching: every run repeats the same prompts, and a hit is not the workload
         lambda d: kvserve_llm(
-            args.model, d, max_num_seqs=args.max_num_seqs, enable_prefix_caching=False
+            args.model,
+            d,
+            max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=False,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         args.dtype,
     )
@@ -160,7 +169,7 @@ def main() -> None:
     )
     print(
         f"offline-{args.num_requests}: model={llm.session.path.name} dtype={dtype} "
-        f"(kvserve runs {resolved}) "
+        f"(kvserve runs {resolved}, KV cache {llm.engine.spec.cache_dtype_name}) "
         f"threads={args.threads} output tokens={useful} prompt tokens={sum(map(len, prompts))} "
         f"runs={args.runs} {versions} kvserve preemptions={stats.num_preemptions}"
     )
