@@ -19,6 +19,7 @@ import argparse
 import statistics
 from dataclasses import dataclass
 
+from benchmarks import plot
 from benchmarks.common import workload_offline
 from kvserve.config import SchedulerConfig, parse_memory
 from kvserve.engine.output import append_token
@@ -93,7 +94,49 @@ def simulate(cfg, spec, memory: int, args, max_model_len: int, workload) -> Capa
     )
 
 
-def main() -> None:
+def draw(path, title: str, rows: list[CapacityRow]) -> None:
+    base = rows[0]
+    groups = [
+        f"{r.cache_dtype}\n{r.bytes_per_token:,} B/token\n"
+        f"{base.bytes_per_token / r.bytes_per_token:.2f}x tokens"
+        for r in rows
+    ]
+    plot.figure(
+        path,
+        title,
+        [
+            plot.GroupedBars(
+                groups,
+                {
+                    "paged: max": [r.max_running for r in rows],
+                    "paged: median": [r.median_running for r in rows],
+                    "dense max_model_len buffers": [r.dense_requests for r in rows],
+                },
+                "requests held at once",
+                annotate={
+                    "paged: max": [str(r.max_running) for r in rows],
+                    "dense max_model_len buffers": [str(r.dense_requests) for r in rows],
+                },
+                title="requests at once at the same KV memory (x tokens: vs the first row)",
+                xlabel="cache dtype",
+            ),
+            plot.Bars(
+                [r.cache_dtype for r in rows],
+                [100 * r.mean_empty_slots for r in rows],
+                "allocated KV slots holding no token (%)",
+                annotate=[
+                    f"{r.mean_empty_slots:.1%}"
+                    + (f"\n{r.preemptions} preempted" if r.preemptions else "")
+                    for r in rows
+                ],
+                title="paged: empty slots (mean over steps)",
+                xlabel="cache dtype",
+            ),
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -108,7 +151,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
 
     cfg = model_config(args.model)
     memory = parse_memory(args.kv_cache_memory)
@@ -126,11 +170,17 @@ def main() -> None:
             args.block_size,
         )
         rows.append(simulate(cfg, spec, memory, args, max_model_len, workload))
-    print(
+    title = (
         f"capacity: model={cfg.model_type} activations={args.dtype} KV memory="
         f"{memory / 2**20:.0f} MiB, blocks of {args.block_size}, max_model_len={max_model_len}, "
         f"{args.num_requests} offline requests (mean prompt+output {mean_tokens:.0f} tokens, "
         f"max_num_seqs {args.max_num_seqs})"
+    )
+    print(title)
+    title = title.replace(
+        f"model={cfg.model_type}",
+        f"model={resolve_model_path(args.model).name} ({cfg.model_type})",
+        1,
     )
     base = rows[0]
     print(
@@ -145,6 +195,8 @@ def main() -> None:
             f"{r.median_running:.0f} | {r.mean_empty_slots:.2%} | {r.preemptions} "
             f"| {r.dense_requests} |"
         )
+    if args.plot:
+        draw(args.plot, title, rows)
 
 
 if __name__ == "__main__":

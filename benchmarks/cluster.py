@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from benchmarks import cluster_failover
+from benchmarks import cluster_failover, plot
 from benchmarks.common import bench_cluster_config
 from benchmarks.serve import WORDS
 from kvserve import cluster
@@ -145,7 +145,62 @@ def run_one(name: str, replicas: int, policy: str, prompts: list[str], args) -> 
     )
 
 
-def main() -> None:
+def draw(path, title: str, results: list[Result]) -> None:
+    """Per replica setup: hit rate (points vs one replica), prompt tokens computed, TTFT p50 /
+    p99, output tokens/s."""
+    names = [r.name for r in results]
+    base = results[0].hit_rate
+    plot.figure(
+        path,
+        title,
+        [
+            plot.Bars(
+                names,
+                [100 * r.hit_rate for r in results],
+                "aggregate prefix-cache hit rate (%)",
+                [f"{100 * results[0].hit_rate:.1f}%"]
+                + [
+                    f"{100 * r.hit_rate:.1f}%\n{100 * (r.hit_rate - base):+.1f} pts"
+                    for r in results[1:]
+                ],
+                title="hit rate (pts: vs one replica)",
+                xlabel="replicas x router policy",
+            ),
+            plot.Bars(
+                names,
+                [r.computed for r in results],
+                "prompt tokens computed (not from a cache)",
+                [f"{r.computed:,.0f}" for r in results],
+                title="prompt tokens computed",
+                xlabel="replicas x router policy",
+            ),
+            plot.GroupedBars(
+                names,
+                {
+                    "TTFT p50": [r.ttft_p50_ms for r in results],
+                    "TTFT p99": [r.ttft_p99_ms for r in results],
+                },
+                "time to first token (ms)",
+                title="TTFT",
+                xlabel="replicas x router policy",
+            ),
+            plot.Bars(
+                names,
+                [r.output_tok_s for r in results],
+                "output tokens/s",
+                [
+                    f"{r.output_tok_s:.1f}" + (f"\n{r.failures} failed" if r.failures else "")
+                    for r in results
+                ],
+                title="throughput (replicas share the machine's cores)",
+                xlabel="replicas x router policy",
+            ),
+        ],
+        ncols=2,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", default="2,3")
     p.add_argument("--groups", type=int, default=8)
@@ -161,7 +216,8 @@ def main() -> None:
         help="failover instead: cache_aware, the busiest replica SIGKILLed at half the run",
     )
     p.add_argument("--stream", action="store_true", help="--kill-one with streaming requests")
-    args = p.parse_args()
+    plot.add_plot_arg(p)
+    args = p.parse_args(argv)
     if args.stream and not args.kill_one:
         p.error("--stream is for --kill-one (the comparison always streams)")
     prompts = workload(args.groups, args.questions, args.prefix_tokens)
@@ -169,9 +225,10 @@ def main() -> None:
         counts = [int(x) for x in args.replicas.split(",")]
         if min(counts) < 2:
             p.error("--kill-one needs at least 2 replicas: one is killed")
-        cluster_failover.report(
-            [cluster_failover.run_failover(n, prompts, args) for n in counts], args
-        )
+        failovers = [cluster_failover.run_failover(n, prompts, args) for n in counts]
+        cluster_failover.report(failovers, args)
+        if args.plot:
+            cluster_failover.draw(args.plot, cluster_failover.title(args), failovers)
         return
     configs = [("1 replica", 1, "round_robin")]
     for n in (int(x) for x in args.replicas.split(",")):
@@ -184,11 +241,12 @@ def main() -> None:
         results.append(run_one(name, n, policy, prompts, args))
         r = results[-1]
         print(f"done: {name}: hit rate {100 * r.hit_rate:.1f}%", flush=True)
-    print(
+    title = (
         f"cluster: {args.groups} groups x {args.questions} questions over "
         f"{args.prefix_tokens}-token system prompts, {args.max_tokens} output tokens, "
         f"{args.concurrency} in flight, through sglang-router"
     )
+    print(title)
     print(
         f"{'configuration':<18} {'hit rate':>9} {'computed':>9} {'TTFT p50':>9} "
         f"{'TTFT p99':>9} {'out tok/s':>10} {'fail':>5}"
@@ -205,6 +263,8 @@ def main() -> None:
         "note: the replicas share this machine's cores, so output tok/s does not scale with "
         "replicas; the hit rate and the prompt tokens computed are the point"
     )
+    if args.plot:
+        draw(args.plot, f"{title}; kvserve replicas --dtype {args.dtype}, one machine", results)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ dying mid-request breaks the connection before any response header went out. Wit
 a stream that has started when its replica dies cannot be retried by anyone, and fails.
 
     python -m benchmarks.cluster --replicas 3 --kill-one [--stream]
+    python -m benchmarks.cluster_failover --replicas 3 [--stream]   # the same
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
 
+from benchmarks import plot
 from benchmarks.common import bench_cluster_config
 from kvserve import cluster
 
@@ -134,23 +137,91 @@ def run_failover(replicas: int, prompts: list[str], args) -> Failover:
         cluster.stop([router, *workers])
 
 
-def report(results: list[Failover], args) -> None:
+def title(args) -> str:
     kind = "streaming" if args.stream else "non-streaming"
-    print(
+    return (
         f"cluster --kill-one: {args.groups} groups x {args.questions} questions over "
         f"{args.prefix_tokens}-token system prompts, {args.max_tokens} output tokens, "
         f"{kind}, {args.concurrency} in flight; the busiest replica SIGKILLed at half the run"
     )
+
+
+def p99(lat: list[float]) -> float:
+    return lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+
+
+def report(results: list[Failover], args) -> None:
+    print(title(args))
     print(
         f"{'configuration':<26} {'sent':>5} {'failed':>7} {'in flight':>10} {'hit rate':>9} "
         f"{'computed':>9} {'p50':>8} {'p99':>8} {'max':>8}"
     )
     for r in results:
         lat = r.latency_ms or [float("nan")]
-        p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
         print(
             f"{r.name:<26} {r.sent:>5d} {sum(r.failed.values()):>7d} {r.in_flight_at_kill:>10d} "
             f"{100 * r.hit_rate:>8.1f}% {r.computed:>9.0f} {statistics.median(lat):>6.0f}ms "
-            f"{p99:>6.0f}ms {lat[-1]:>6.0f}ms"
+            f"{p99(lat):>6.0f}ms {lat[-1]:>6.0f}ms"
         )
         print(f"  killed {r.victim}; failures by reason: {json.dumps(dict(r.failed))}")
+
+
+def draw(path, title: str, results: list[Failover]) -> None:
+    """Per replica count: requests sent / failed / in flight at the kill, latency p50 / p99 /
+    max of the successful ones (a retried request's lost work shows in the max), hit rate."""
+    names = [r.name.replace(", kill one", "") for r in results]
+    lats = [r.latency_ms or [float("nan")] for r in results]
+    failed = [sum(r.failed.values()) for r in results]
+    plot.figure(
+        path,
+        title,
+        [
+            plot.GroupedBars(
+                names,
+                {
+                    "sent": [r.sent for r in results],
+                    "failed": failed,
+                    "in flight at the kill": [r.in_flight_at_kill for r in results],
+                },
+                "requests",
+                annotate={
+                    "failed": [str(f) for f in failed],
+                    "in flight at the kill": [str(r.in_flight_at_kill) for r in results],
+                },
+                title="requests (one replica SIGKILLed halfway)",
+                xlabel="replicas, cache_aware",
+            ),
+            plot.GroupedBars(
+                names,
+                {
+                    "p50": [statistics.median(lat) for lat in lats],
+                    "p99": [p99(lat) for lat in lats],
+                    "max": [lat[-1] for lat in lats],
+                },
+                "request latency (ms, successful requests)",
+                annotate={"max": [f"{lat[-1]:.0f}" for lat in lats]},
+                title="latency",
+                xlabel="replicas, cache_aware",
+            ),
+            plot.Bars(
+                names,
+                [100 * r.hit_rate for r in results],
+                "aggregate prefix-cache hit rate (%)",
+                [f"{100 * r.hit_rate:.1f}%\n{r.computed:,.0f} computed" for r in results],
+                title="hit rate (victim counted until the kill)",
+                xlabel="replicas, cache_aware",
+            ),
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.cluster_failover ARGS`` = ``python -m benchmarks.cluster
+    --kill-one ARGS`` (the flags are cluster's)."""
+    from benchmarks import cluster  # it imports this module
+
+    cluster.main([*(sys.argv[1:] if argv is None else argv), "--kill-one"])
+
+
+if __name__ == "__main__":
+    main()

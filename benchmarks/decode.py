@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import plot
 from benchmarks.common import (
     PeerProcess,
     default_peer_python,
@@ -70,7 +71,51 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def main() -> None:
+def draw(
+    path, title: str, tps: dict[str, float], ttfts: dict[str, float], bw_share: dict[str, float]
+) -> None:
+    """tok/s and TTFT per engine; kvserve's rows annotated with their ratio to the peers (and
+    the share of the measured memory bandwidth a step reads)."""
+    names = list(tps)
+    peers = [p for p in ("llama.cpp", "hf-static") if p in tps]
+
+    def notes(values: dict[str, float], ratio: dict[str, float], bw: bool) -> list[str]:
+        """Each bar's value; kvserve's also ratio[kvserve] / ratio[peer] per peer."""
+        out = []
+        for n in names:
+            lines = [f"{values[n]:.1f}"]
+            if n.startswith("kvserve"):
+                lines += [f"{ratio[n] / ratio[p]:.2f}x {p}" for p in peers]
+                if bw and n in bw_share:
+                    lines.append(f"{bw_share[n]:.0%} of BW")
+            out.append("\n".join(lines))
+        return out
+
+    plot.figure(
+        path,
+        title,
+        [
+            plot.Bars(
+                names,
+                [tps[n] for n in names],
+                "output tokens/s (median)",
+                notes(tps, tps, bw=True),
+                title="decode throughput (higher is faster; ratio: kvserve / peer)",
+                xlabel="engine",
+            ),
+            plot.Bars(
+                names,
+                [1e3 * ttfts[n] for n in names],
+                "time to first token (ms, median)",
+                notes({n: 1e3 * v for n, v in ttfts.items()}, ttfts, bw=False),
+                title="TTFT (lower is faster; ratio: kvserve / peer)",
+                xlabel="engine",
+            ),
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -85,7 +130,8 @@ def main() -> None:
         default=default_peer_python("llama"),
         help="Python of the llama-cpp-python venv (default: .peers/llama/bin/python if set up)",
     )
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     session, dtype = with_dtype_fallback(lambda d: ModelSession.open(args.model, d), args.dtype)
@@ -164,13 +210,15 @@ def main() -> None:
     versions = f"torch={torch.__version__}"
     if llama_info:
         versions += f" llama-cpp-python={llama_info['llama_cpp_python']}"
-    print(
+    title = (
         f"decode-1: model={session.path.name} dtype={dtype} threads={args.threads} "
         f"prompt={args.prompt_len} new={args.new_tokens} runs={args.runs} {versions}"
     )
+    print(title)
     print(f"{'engine':<18}{'tok/s':>8}{'TTFT ms':>9}{'TPOT ms':>9}{'GB/s':>7}{'of BW':>7}")
     tps: dict[str, float] = {}
     ttfts: dict[str, float] = {}
+    bw_share: dict[str, float] = {}
     for name, vals in rows.items():
         if not vals:
             continue
@@ -181,6 +229,7 @@ def main() -> None:
         line = f"{name:<18}{tps[name]:>8.1f}{ttft * 1e3:>9.1f}{tpot * 1e3:>9.2f}"
         if name.startswith("kvserve"):  # the bytes are kvserve's; the peers' differ
             gbs = step_bytes / tpot / 1e9
+            bw_share[name] = gbs / bw
             line += f"{gbs:>7.2f}{gbs / bw:>7.1%}"
         print(line)
     print(
@@ -201,6 +250,12 @@ def main() -> None:
     if llama_ids:
         same = common_prefix(kvserve_ids, llama_ids)
         print(f"greedy tokens equal to llama.cpp's: first {same} of {args.new_tokens}")
+    if args.plot:
+        title += (
+            f"; memory bandwidth {bw:.1f} GB/s, a kvserve decode step reads "
+            f"~{step_bytes / 1e6:.1f} MB"
+        )
+        draw(args.plot, title, tps, ttfts, bw_share)
 
 
 if __name__ == "__main__":

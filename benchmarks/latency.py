@@ -19,6 +19,7 @@ import time
 import torch
 
 import kvserve
+from benchmarks import plot
 from kvserve.engine.llm import LLM
 from kvserve.sampling import SamplingParams
 
@@ -36,7 +37,38 @@ def one_request(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, li
     return steps[0], steps[1:]
 
 
-def main() -> None:
+def draw(path, title: str, rows: list[tuple[int, float, float]]) -> None:
+    """TTFT and TPOT (ms) by prompt length, one panel each."""
+    lens = [n for n, _, _ in rows]
+    ttft = [1e3 * t for _, t, _ in rows]
+    tpot = [1e3 * t for _, _, t in rows]
+    plot.figure(
+        path,
+        title,
+        [
+            plot.Lines(
+                lens,
+                {"TTFT (prefill step)": ttft},
+                "prompt length (tokens)",
+                "time to first token (ms, median)",
+                {"TTFT (prefill step)": [f"{v:.1f}" for v in ttft]},
+                title="TTFT by prompt length",
+                logx=True,
+            ),
+            plot.Lines(
+                lens,
+                {"TPOT (decode steps)": tpot},
+                "prompt length (tokens)",
+                "time per output token (ms, median)",
+                {"TPOT (decode steps)": [f"{v:.2f}" for v in tpot]},
+                title="TPOT by prompt length (reading the context)",
+                logx=True,
+            ),
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -44,16 +76,19 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
     vocab = llm.engine.model_config.vocab_size
     lens = [int(n) for n in args.prompt_lens.split(",")]
     one_request(llm, [1000 + i for i in range(16)], 4)  # warm-up
-    print(
+    title = (
         f"latency: kvserve from {kvserve.__file__.rsplit('/kvserve/', 1)[0]} dtype={args.dtype} "
         f"threads={args.threads} new={args.new_tokens} runs={args.runs} torch={torch.__version__}"
     )
+    print(title)
+    rows = []
     print(f"{'prompt':>7} {'TTFT ms':>9} {'TPOT ms':>9}")
     for n in lens:
         ttfts, tpots = [], []
@@ -62,7 +97,12 @@ def main() -> None:
             ttft, steps = one_request(llm, prompt, args.new_tokens)
             ttfts.append(ttft)
             tpots.append(statistics.median(steps) if steps else float("nan"))
-        print(f"{n:>7} {statistics.median(ttfts) * 1e3:9.1f} {statistics.median(tpots) * 1e3:9.2f}")
+        rows.append((n, statistics.median(ttfts), statistics.median(tpots)))
+        print(f"{n:>7} {rows[-1][1] * 1e3:9.1f} {rows[-1][2] * 1e3:9.2f}")
+    if args.plot:
+        session = getattr(llm, "session", None)  # an older checkout's LLM may have none
+        name = session.path.name if session is not None else args.model or "default"
+        draw(args.plot, f"{title} model={name}", rows)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import plot
 from benchmarks.serve import WORDS, free_port, start
 from kvserve.default_model import default_model_path
 from kvserve.tokenizer import Tokenizer
@@ -146,7 +147,7 @@ def _gauge(metrics: str, name: str) -> float:
     return 0.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--duration", type=float, default=30.0, help="seconds per run")
@@ -156,7 +157,8 @@ def main() -> None:
     p.add_argument("--batch-prompt-tokens", type=int, default=256)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kvserve-args", default="", help="extra `kvserve serve` flags")
-    args = p.parse_args()
+    plot.add_plot_arg(p)
+    args = p.parse_args(argv)
 
     gguf = default_model_path()
     tok = Tokenizer.load(gguf.parent, gguf)
@@ -199,11 +201,12 @@ def report(runs: dict[str, list[tuple[Tally, Tally]]], args: argparse.Namespace)
     def med(name: str, q: float) -> float:
         return statistics.median(1e3 * pct(g.ttft_s, q) for g, _ in runs[name])
 
-    print(
+    title = (
         f"noisy-neighbour: {args.clients} clients streaming chat ({args.max_tokens} tokens), "
         f"neighbour: batches of {args.batch_prompts} x {args.batch_prompt_tokens}-token prompts; "
         f"{args.duration:g} s per run, medians of {args.rounds} rounds"
     )
+    print(title)
     print(
         f"{'run':<15} {'chats':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'batches':>8} {'503s':>5} {'fail':>5}"
     )
@@ -220,6 +223,35 @@ def report(runs: dict[str, list[tuple[Tally, Tally]]], args: argparse.Namespace)
     print(f"TTFT p99 with / without the neighbour: {ratio:.2f}x (aim <= 2x)")
     ratio50 = med("with neighbour", 0.5) / med("alone", 0.5)
     print(f"TTFT p50 with / without the neighbour: {ratio50:.2f}x")
+    if args.plot:
+        title += f"; one kvserve serve (default model, --dtype {args.dtype} {args.kvserve_args}"
+        title = title.rstrip() + ")"
+        ttft = {name: [med(name, 0.5), med(name, 0.99)] for name in runs}
+        batches = statistics.median(n.batches for _, n in runs["with neighbour"])
+        draw(args.plot, title, ttft, batches)
+
+
+def draw(path, title: str, ttft: dict[str, list[float]], batches: float) -> None:
+    """The well-behaved clients' TTFT p50 / p99 (ms), alone vs with the neighbour (whose
+    median completed batches per run is ``batches``); the with-neighbour bars carry the
+    ratio, and a line marks the aim (p99 <= 2x alone)."""
+    alone, noisy = ttft["alone"], ttft["with neighbour"]
+    plot.grouped_bars(
+        path,
+        title,
+        ["TTFT p50", "TTFT p99"],
+        ttft,
+        "time to first token (ms, median over rounds)",
+        annotate={
+            "alone": [f"{v:.0f} ms" for v in alone],
+            "with neighbour": [
+                f"{v:.0f} ms\n{v / a:.2f}x" for v, a in zip(noisy, alone, strict=True)
+            ],
+        },
+        subtitle=f"well-behaved clients (neighbour: {batches:.0f} batches per run)",
+        xlabel="percentile",
+        refs=[(2 * alone[1], "aim: p99 <= 2x alone")],
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import plot
 from benchmarks.common import (
     PeerProcess,
     default_peer_python,
@@ -75,7 +76,27 @@ def start_vllm(python: str, model: Path, prompts, outputs, threads: int, dtype: 
     return PeerProcess(python, "vllm_offline.py", args)
 
 
-def main() -> None:
+def draw(path, title: str, rates: dict[str, float], seconds: dict[str, float]) -> None:
+    """Output tokens/s per engine; each peer's bar carries the kvserve / peer ratio."""
+    names = list(rates)
+    notes = [
+        f"{rates[n]:.1f} tok/s\n{seconds[n]:.1f} s"
+        + ("" if n == "kvserve" else f"\nkvserve / {n}: {rates['kvserve'] / rates[n]:.2f}x")
+        for n in names
+    ]
+    plot.bar_chart(
+        path,
+        title,
+        names,
+        [rates[n] for n in names],
+        "output tokens/s (median of runs)",
+        notes,
+        subtitle="output tokens/s (ratio: kvserve / peer)",
+        xlabel="engine",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -107,7 +128,8 @@ def main() -> None:
         choices=["same", "float32", "bfloat16"],
         help="vLLM's dtype (default: the one kvserve runs, auto resolved)",
     )
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     llm, dtype = with_dtype_fallback(
@@ -167,21 +189,24 @@ def main() -> None:
     versions = f"torch={torch.__version__}" + (
         f" vllm={vllm_version} vllm dtype={vllm_dtype}" if vllm_version else ""
     )
-    print(
+    title = (
         f"offline-{args.num_requests}: model={llm.session.path.name} dtype={dtype} "
         f"(kvserve runs {resolved}, KV cache {llm.engine.spec.cache_dtype_name}) "
         f"threads={args.threads} output tokens={useful} prompt tokens={sum(map(len, prompts))} "
         f"runs={args.runs} {versions} kvserve preemptions={stats.num_preemptions}"
     )
-    rates = {}
+    print(title)
+    rates, seconds = {}, {}
     for name, ts in times.items():
         if ts:
             med = statistics.median(ts)
-            rates[name] = useful / med
+            rates[name], seconds[name] = useful / med, med
             print(f"{name:<12} {med:8.1f} s  {useful / med:8.1f} output tok/s")
     for peer in ("vllm", "hf-static"):
         if peer in rates:
             print(f"ratio kvserve / {peer}: {rates['kvserve'] / rates[peer]:.2f}x")
+    if args.plot:
+        draw(args.plot, title, rates, seconds)
 
 
 if __name__ == "__main__":

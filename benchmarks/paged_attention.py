@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from benchmarks import plot
 from kvserve.attention.paged import sdpa_decode
-from kvserve.kernels.build import build_kernels
+from kvserve.kernels.build import ISA_NAMES, build_kernels
 from kvserve.kernels.paged_attention_ops import paged_decode_attention
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
@@ -70,9 +72,49 @@ def time_pair(
     return best
 
 
+@dataclass(frozen=True, slots=True)
+class CaseRow:
+    dtype: str
+    batch: int
+    ctx: int
+    sdpa_s: float  # best seconds per call, gather + SDPA
+    kernel_s: float  # best seconds per call, the kernel
+    kv_bytes: int  # K and V bytes the kernel reads
+
+    def line(self) -> str:
+        return (
+            f"| {self.dtype} | {self.batch} | {self.ctx} | {self.sdpa_s * 1e6:.0f} "
+            f"| {self.kernel_s * 1e6:.0f} | {self.sdpa_s / self.kernel_s:.2f}x "
+            f"| {self.kv_bytes / self.kernel_s / 1e9:.1f} |"
+        )
+
+
+def draw(path, title: str, rows: list[CaseRow]) -> None:
+    """Per dtype, gather + SDPA vs kernel microseconds per (B, context); the kernel's bar
+    carries the speedup."""
+    panels = []
+    for dtype in dict.fromkeys(r.dtype for r in rows):
+        mine = [r for r in rows if r.dtype == dtype]
+        panels.append(
+            plot.GroupedBars(
+                [f"B {r.batch}\nctx {r.ctx}" for r in mine],
+                {
+                    "gather + SDPA": [1e6 * r.sdpa_s for r in mine],
+                    "kernel": [1e6 * r.kernel_s for r in mine],
+                },
+                "time per call (us, best of reps; log)",
+                annotate={"kernel": [f"{r.sdpa_s / r.kernel_s:.1f}x" for r in mine]},
+                title=f"{dtype}: speedup = SDPA / kernel",
+                xlabel="batch x context (tokens)",
+                log=True,
+            )
+        )
+    plot.figure(path, title, panels, ncols=1)
+
+
 def bench_case(
     batch: int, ctx: int, dtype: torch.dtype, reps: int, isa: int, clock: Callable[[], float]
-) -> str:
+) -> CaseRow:
     """One table row: both paths on the same cache, checked to agree, then timed."""
     q, storage, tables, lens, lens_t = make_case(batch, ctx, dtype)
     kc, vc = storage.plane(0, "k").codes, storage.plane(0, "v").codes
@@ -86,13 +128,10 @@ def bench_case(
     t_sdpa, t_kern = time_pair(
         [(sdpa_decode, sdpa_args), (paged_decode_attention, kern_args)], reps, calls, clock
     )
-    return (
-        f"| {str(dtype).removeprefix('torch.')} | {batch} | {ctx} | {t_sdpa * 1e6:.0f} "
-        f"| {t_kern * 1e6:.0f} | {t_sdpa / t_kern:.2f}x | {kv_bytes / t_kern / 1e9:.1f} |"
-    )
+    return CaseRow(str(dtype).removeprefix("torch."), batch, ctx, t_sdpa, t_kern, kv_bytes)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=DTYPES)
@@ -107,16 +146,19 @@ def main() -> None:
         help="cpu: this thread's CPU time (--threads 1 only): immune to a busy machine's "
         "preemption, blind to time spent waiting for other threads",
     )
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures one thread: use it with --threads 1")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     build_kernels()  # raises with the compiler output: a benchmark must not fall back silently
-    print(
+    title = (
         f"paged decode attention, one layer: heads {HEADS}/{KV_HEADS} kv, head_dim {HEAD_DIM}, "
         f"block_size {BLOCK}, threads {args.threads}, isa {args.isa}, clock {args.clock}"
     )
+    print(title)
+    rows = []
     print("| dtype | B | context | SDPA gather (us) | kernel (us) | speedup | kernel GB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
@@ -124,7 +166,11 @@ def main() -> None:
             for batch in args.batches:
                 for ctx in args.contexts:
                     row = bench_case(batch, ctx, DTYPES[name], args.reps, args.isa, clock)
-                    print(row, flush=True)
+                    rows.append(row)
+                    print(row.line(), flush=True)
+    if args.plot:
+        isa = args.isa if args.isa >= 0 else int(torch.ops.kvserve.cpu_isa())
+        draw(args.plot, f"{title} ({ISA_NAMES[isa]}), torch {torch.__version__}", rows)
 
 
 if __name__ == "__main__":

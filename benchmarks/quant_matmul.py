@@ -16,11 +16,13 @@ stream from DRAM as in a real decode), per ISA.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as QT
 
+from benchmarks import plot
 from kvserve.kernels.build import ISA_NAMES, load_kernels
 from kvserve.kernels.quant_ref import block_size, dequantize_ref, quantize, row_bytes
 from kvserve.models.quantized_linear import best_time
@@ -58,8 +60,86 @@ def time_row(
     )
 
 
-def bench_shapes(qtypes: list[QT], ms: list[int], reps: int, isa: int) -> None:
+@dataclass(frozen=True, slots=True)
+class ShapeRow:
+    qtype: str
+    n: int
+    k: int
+    m: int
+    kernel_s: float
+    ref_s: float  # dequantize_ref + F.linear
+    deq_s: float  # kvserve::dequantize + F.linear
+    f32_s: float  # F.linear on a float32 weight
+    weight_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepRow:
+    isa: str
+    seconds: float
+    matmuls: int
+    weight_bytes: int
+
+
+def draw(path, title: str, rows: list[ShapeRow], steps: list[StepRow]) -> None:
+    """A grid, a row per type and a column per N x K: time per call by M for the kernel and
+    the three other paths (their points carry the script's ratio, time / kernel time); then
+    the decode step per ISA."""
+    shapes = list(dict.fromkeys((r.n, r.k) for r in rows))
+    paths = {
+        "kernel": "kernel_s",
+        "deq + F.linear": "deq_s",
+        "ref + F.linear": "ref_s",
+        "f32 F.linear": "f32_s",
+    }
+    panels: list[plot.Panel | None] = []
+    for qtype in dict.fromkeys(r.qtype for r in rows):
+        for n, k in shapes:
+            mine = [r for r in rows if r.qtype == qtype and (r.n, r.k) == (n, k)]
+            if not mine:  # K-quants skip K % 256 != 0
+                panels.append(None)
+                continue
+            series = {name: [1e6 * getattr(r, a) for r in mine] for name, a in paths.items()}
+            notes = {
+                name: [f"{getattr(r, a) / r.kernel_s:.1f}x" for r in mine]
+                for name, a in paths.items()
+                if name != "kernel"
+            }
+            panels.append(
+                plot.Lines(
+                    [r.m for r in mine],
+                    series,
+                    "M (rows of x)",
+                    "time per call (us, best of reps)",
+                    notes,
+                    title=f"{qtype} {n} x {k} (x = time / kernel)",
+                    logx=True,
+                    logy=True,
+                )
+            )
+    ncols = max(1, len(shapes))
+    if steps:
+        panels += [None] * (-len(panels) % ncols)
+        s = steps[0]
+        panels.append(
+            plot.Bars(
+                [r.isa for r in steps],
+                [1e3 * r.seconds for r in steps],
+                "decode step matmuls (ms, best of reps)",
+                [
+                    f"{1e3 * r.seconds:.2f} ms\n{r.weight_bytes / r.seconds / 1e9:.1f} GB/s"
+                    for r in steps
+                ],
+                title=f"decode step: {s.matmuls} M=1 matmuls, {s.weight_bytes / 1e6:.0f} MB",
+                xlabel="kernel ISA path",
+            )
+        )
+    plot.figure(path, title, panels, ncols=ncols)
+
+
+def bench_shapes(qtypes: list[QT], ms: list[int], reps: int, isa: int) -> list[ShapeRow]:
     g = torch.Generator().manual_seed(0)
+    rows = []
     print(
         f"{'type':5} {'N x K':>11} {'M':>4} {'kernel us':>10} {'GB/s':>6} "
         f"{'ref x':>7} {'deq x':>7} {'f32 x':>7}"
@@ -75,14 +155,16 @@ def bench_shapes(qtypes: list[QT], ms: list[int], reps: int, isa: int) -> None:
                 t_k, t_ref, t_deq, t_f32 = time_row(
                     qtype, w, wf, torch.randn(m, k, generator=g), r, isa
                 )
+                rows.append(ShapeRow(qtype.name, n, k, m, t_k, t_ref, t_deq, t_f32, w.numel()))
                 print(
                     f"{qtype.name:5} {n:>5}x{k:<5} {m:>4} {t_k * 1e6:>10.1f} "
                     f"{w.numel() / t_k / 1e9:>6.1f} {t_ref / t_k:>7.2f} {t_deq / t_k:>7.2f} "
                     f"{t_f32 / t_k:>7.2f}"
                 )
+    return rows
 
 
-def bench_decode_step(reps: int) -> None:
+def bench_decode_step(reps: int) -> list[StepRow]:
     """All M=1 matmuls of one decode step: Q4_1 layers + the Q8_0 lm_head, distinct weights."""
     g = torch.Generator().manual_seed(1)
     mats = [
@@ -94,6 +176,7 @@ def bench_decode_step(reps: int) -> None:
     xs = {576: torch.randn(1, 576, generator=g), 1536: torch.randn(1, 1536, generator=g)}
     nbytes = sum(w.numel() for *_, w in mats)
     op = torch.ops.kvserve.quant_matmul
+    rows = []
     for isa in range(int(torch.ops.kvserve.cpu_isa()), -1, -1):
 
         def step(isa: int = isa) -> None:
@@ -101,13 +184,15 @@ def bench_decode_step(reps: int) -> None:
                 op(xs[k], w, int(qtype), n, isa)
 
         t = best_time(step, reps)
+        rows.append(StepRow(ISA_NAMES[isa], t, len(mats), nbytes))
         print(
             f"decode step, {len(mats)} matmuls, {nbytes / 1e6:.0f} MB, {ISA_NAMES[isa]:>20}: "
             f"{t * 1e3:6.2f} ms  ({nbytes / t / 1e9:.1f} GB/s)"
         )
+    return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="Q4_1,Q8_0,Q4_0,Q4_K,Q6_K")
     ap.add_argument("--m", default="1,4,16,64,256")
@@ -115,17 +200,26 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--isa", type=int, default=-1, help="-1 best, 0 scalar, 1 avx2, 2 avx512")
     ap.add_argument("--skip-step", action="store_true", help="skip the decode-step timing")
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
     if not load_kernels():
         raise SystemExit("the C++ kernels did not load (see the warning above)")
     torch.set_num_threads(args.threads)
-    print(
+    header = (
         f"threads {torch.get_num_threads()}, best ISA {ISA_NAMES[int(torch.ops.kvserve.cpu_isa())]}"
     )
+    print(header)
     qtypes = [QT[name] for name in args.types.split(",")]
-    bench_shapes(qtypes, [int(m) for m in args.m.split(",")], args.reps, args.isa)
-    if not args.skip_step:
-        bench_decode_step(max(3, args.reps // 4))
+    rows = bench_shapes(qtypes, [int(m) for m in args.m.split(",")], args.reps, args.isa)
+    steps = [] if args.skip_step else bench_decode_step(max(3, args.reps // 4))
+    if args.plot:
+        isa = "best" if args.isa < 0 else ISA_NAMES[args.isa]
+        title = (
+            "quant_matmul: the quantized-weight kernel vs dequantize + F.linear vs float32 "
+            f"F.linear on SmolLM2-135M's shapes; {header}, kernel ISA {isa}, "
+            f"torch {torch.__version__}"
+        )
+        draw(args.plot, title, rows, steps)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks import plot
 from benchmarks.serve_client import run_poisson
 from kvserve.default_model import default_model_path
 from kvserve.tokenizer import Tokenizer
@@ -89,7 +90,7 @@ def payload(server: str, text: str, max_tokens: int) -> dict:
     return {**body, "logit_bias": {str(t): -100.0 for t in EOS_IDS}}  # llama.cpp: no ignore_eos
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-python", default=None, help="a Python with llama-cpp-python[server]")
     p.add_argument("--rates", default="1,2,inf", help="request rates (req/s), comma-separated")
@@ -103,7 +104,8 @@ def main() -> None:
     )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    args = p.parse_args()
+    plot.add_plot_arg(p)
+    args = p.parse_args(argv)
 
     gguf = default_model_path()
     tok = Tokenizer.load(gguf.parent, gguf)
@@ -158,11 +160,13 @@ def report(summaries, rates: list[float], names: list[str], args: argparse.Names
     def med(rate: float, name: str, key: str) -> float:
         return statistics.median(s[key] for s in summaries[(rate, name)])
 
-    print(
+    title = (
         f"serve-poisson: {args.num_requests} requests per run, prompts 64-512 tokens, outputs "
         f"32-128 tokens, max concurrency {args.max_concurrency}; medians of {args.runs} runs; "
         f"SLO TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms"
     )
+    print(title)
+    medians: dict[tuple[float, str], dict[str, float]] = {}
     header = (
         f"{'rate':>5} {'server':<10} {'done':>5} {'tok/s':>7} {'req/s':>6} {'goodput':>7} "
         f"{'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'TPOT p99':>9} {'ITL med':>8} "
@@ -171,7 +175,7 @@ def report(summaries, rates: list[float], names: list[str], args: argparse.Names
     print(header)
     for rate in rates:
         for name in names:
-            m = {k: med(rate, name, k) for k in summaries[(rate, name)][0]}
+            m = medians[(rate, name)] = {k: med(rate, name, k) for k in summaries[(rate, name)][0]}
             print(
                 f"{rate:>5g} {name:<10} {m['completed']:>5.0f} {m['output_tok_s']:>7.1f} "
                 f"{m['req_s']:>6.2f} {m['goodput_req_s']:>7.2f} {m['ttft_med_ms']:>9.0f} "
@@ -187,6 +191,87 @@ def report(summaries, rates: list[float], names: list[str], args: argparse.Names
                 f"rate {rate:g}: kvserve / llama.cpp goodput {ratio:.2f}x, "
                 f"output tokens/s {tps[0] / tps[1]:.2f}x"
             )
+    if args.plot:
+        title += f"; kvserve serve --dtype {args.dtype} {args.kvserve_args}".rstrip()
+        if "llama.cpp" in names:
+            title += f", llama.cpp server with {args.threads} threads, the same GGUF"
+        slos = (args.slo_ttft_ms, args.slo_tpot_ms)
+        draw(args.plot, title, medians, rates, names, slos)
+
+
+def draw(
+    path,
+    title: str,
+    medians: dict[tuple[float, str], dict[str, float]],
+    rates: list[float],
+    names: list[str],
+    slos: tuple[float, float],
+) -> None:
+    """Per request rate: output tokens/s and goodput per server (kvserve's bars carry the
+    kvserve / llama.cpp ratio), TTFT and TPOT median / p99 against the SLOs (TTFT, TPOT ms)."""
+    groups = [f"{r:g} req/s" if r != float("inf") else "all at once" for r in rates]
+
+    def by_server(key: str) -> dict[str, list[float]]:
+        return {n: [medians[(r, n)][key] for r in rates] for n in names}
+
+    def ratios(key: str, fmt: str) -> dict[str, list[str]]:
+        notes = {n: [fmt.format(medians[(r, n)][key]) for r in rates] for n in names}
+        if "llama.cpp" in names:
+            for i, r in enumerate(rates):
+                peer = medians[(r, "llama.cpp")][key]
+                ratio = medians[(r, "kvserve")][key] / peer if peer > 0 else float("inf")
+                notes["kvserve"][i] += f"\n{ratio:.2f}x"
+        return notes
+
+    def pcts(stem: str) -> dict[str, list[float]]:
+        return {
+            f"{n} {q}": [medians[(r, n)][f"{stem}_{key}_ms"] for r in rates]
+            for n in names
+            for q, key in (("median", "med"), ("p99", "p99"))
+        }
+
+    vs = " (kvserve / llama.cpp)" if "llama.cpp" in names else ""
+    plot.figure(
+        path,
+        title,
+        [
+            plot.GroupedBars(
+                groups,
+                by_server("output_tok_s"),
+                "output tokens/s",
+                ratios("output_tok_s", "{:.0f}"),
+                title="output tokens/s" + vs,
+                xlabel="request rate (Poisson)",
+            ),
+            plot.GroupedBars(
+                groups,
+                by_server("goodput_req_s"),
+                "goodput (requests/s within the SLOs)",
+                ratios("goodput_req_s", "{:.2f}"),
+                title="goodput" + vs,
+                xlabel="request rate (Poisson)",
+            ),
+            plot.GroupedBars(
+                groups,
+                pcts("ttft"),
+                "time to first token (ms)",
+                title="TTFT median / p99",
+                refs=[(slos[0], "SLO")],
+                colors=plot.PAIRED,
+                xlabel="request rate (Poisson)",
+            ),
+            plot.GroupedBars(
+                groups,
+                pcts("tpot"),
+                "time per output token (ms)",
+                title="TPOT median / p99",
+                refs=[(slos[1], "SLO")],
+                colors=plot.PAIRED,
+                xlabel="request rate (Poisson)",
+            ),
+        ],
+        ncols=2,
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from benchmarks import plot
 from benchmarks.common import random_prompt
 from kvserve.engine.llm import LLM
 from kvserve.models.model_session import ModelSession
@@ -61,7 +62,54 @@ def run(
     }
 
 
-def main() -> None:
+def draw(path, title: str, results: list[tuple[str, dict]]) -> None:
+    """Median TTFT, throughput and hit rate per setup; the cache-on bars carry their ratio to
+    the cache-off run."""
+    names = [n for n, _ in results]
+    off = dict(results)["prefix cache off"]
+
+    def vs_off(r: dict, text: str) -> str:
+        return "" if r is off else "\n" + text
+
+    plot.figure(
+        path,
+        title,
+        [
+            plot.Bars(
+                names,
+                [r["ttft"] for _, r in results],
+                "median time to first token (s)",
+                [
+                    f"{r['ttft']:.2f} s" + vs_off(r, f"{off['ttft'] / r['ttft']:.2f}x lower")
+                    for _, r in results
+                ],
+                title="TTFT (ratio: cache off / on)",
+                xlabel="setup",
+            ),
+            plot.Bars(
+                names,
+                [r["tput"] for _, r in results],
+                "output tokens/s",
+                [
+                    f"{r['tput']:.1f}" + vs_off(r, f"{r['tput'] / off['tput']:.2f}x off")
+                    for _, r in results
+                ],
+                title="throughput (ratio: on / off)",
+                xlabel="setup",
+            ),
+            plot.Bars(
+                names,
+                [100 * r["hit_rate"] for _, r in results],
+                "prefix cache hit rate (%)",
+                [f"{r['hit_rate']:.1%}\n{r['cached']:,} cached tokens" for _, r in results],
+                title="prompt tokens served from the cache",
+                xlabel="setup",
+            ),
+        ],
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -73,7 +121,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     session = ModelSession.open(args.model, args.dtype)
     prompts = workload(
@@ -82,12 +131,14 @@ def main() -> None:
     on = run(session, prompts, args.new_tokens, True, args, "fcfs")
     lpm = run(session, prompts, args.new_tokens, True, args, "lpm")
     off = run(session, prompts, args.new_tokens, False, args, "fcfs")
-    print(
+    title = (
         f"shared-prefix: model={session.path.name} dtype={args.dtype} threads={args.threads} "
         f"{args.groups} groups x {args.questions} questions, prefix {args.prefix_len} + "
         f"{args.question_len} tokens, {args.new_tokens} new, torch={torch.__version__}"
     )
-    for name, r in (("cache on, fcfs", on), ("cache on, lpm", lpm), ("prefix cache off", off)):
+    print(title)
+    results = [("cache on, fcfs", on), ("cache on, lpm", lpm), ("prefix cache off", off)]
+    for name, r in results:
         print(
             f"{name:<17} median TTFT {r['ttft']:7.2f} s   {r['tput']:7.1f} output tok/s   "
             f"cached prompt tokens {r['cached']:>6}   hit rate {r['hit_rate']:.1%}"
@@ -102,6 +153,8 @@ def main() -> None:
         f"identical greedy outputs, cache on (fcfs) vs off: {same}/{len(prompts)} "
         "(bfloat16: a cached prefix and a recomputed one round differently; float32 is exact)"
     )
+    if args.plot:
+        draw(args.plot, title, results)
 
 
 if __name__ == "__main__":
