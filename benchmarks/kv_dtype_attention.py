@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks import plot
 from kvserve.kernels.build import build_kernels
 from kvserve.kernels.paged_attention_ops import (
     paged_decode_attention,
@@ -81,7 +82,10 @@ def best_times(fns, reps: int, calls: int, clock: Callable[[], float]) -> list[f
     return best
 
 
-def bench_case(batch: int, ctx: int, reps: int, isa: int, clock: Callable[[], float]) -> list[str]:
+def bench_case(
+    batch: int, ctx: int, reps: int, isa: int, clock: Callable[[], float]
+) -> list[tuple[str, float, int]]:
+    """(format label, seconds per call, bytes read per call) for every format at this shape."""
     q, k, v, tables, lens = make_pool(batch, ctx)
     scale = HEAD_DIM**-0.5
     fns, nbytes = [], []
@@ -101,14 +105,23 @@ def bench_case(batch: int, ctx: int, reps: int, isa: int, clock: Callable[[], fl
         nbytes.append(batch * ctx * KV_HEADS * per_token)
     calls = max(3, int(2e7 / nbytes[0]))  # ~20 ms per round at ~1 GB/s, whatever the size
     times = best_times(fns, reps, calls, clock)
-    return [
-        f"| {batch} | {ctx} | {label} | {t * 1e6:.0f} | {times[0] / t:.2f}x "
-        f"| {n / 1e6:.2f} | {n / t / 1e9:.1f} |"
-        for (label, _, _), t, n in zip(FORMATS, times, nbytes, strict=True)
-    ]
+    return [(label, t, n) for (label, _, _), t, n in zip(FORMATS, times, nbytes, strict=True)]
 
 
-def main() -> None:
+def draw(path, title: str, results: dict[tuple[int, int], list[tuple[str, float, int]]]) -> None:
+    """Time per call of each format, grouped by (batch, context), its speed-up over bfloat16
+    on each bar."""
+    groups = [f"B {b} x {c}" for b, c in results]
+    labels = [label for label, _, _ in next(iter(results.values()))]
+    series = {lab: [rows[i][1] * 1e6 for rows in results.values()] for i, lab in enumerate(labels)}
+    notes = {
+        lab: [f"{rows[0][1] / rows[i][1]:.2f}x" for rows in results.values()]
+        for i, lab in enumerate(labels)
+    }
+    plot.grouped_bars(path, title, groups, series, "time per call (us)", notes, log=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -122,24 +135,34 @@ def main() -> None:
         help="cpu: this thread's CPU time (--threads 1 only): immune to a busy machine's "
         "preemption, blind to time spent waiting for other threads",
     )
-    args = ap.parse_args()
+    plot.add_plot_arg(ap)
+    args = ap.parse_args(argv)
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures one thread: use it with --threads 1")
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     build_kernels()  # raises with the compiler output: a benchmark must not fall back silently
-    print(
+    title = (
         f"paged decode attention by KV dtype, one layer: heads {HEADS}/{KV_HEADS} kv, head_dim "
         f"{HEAD_DIM}, block_size {BLOCK}, threads {args.threads}, isa {args.isa}, "
         f"clock {args.clock}"
     )
+    print(title)
     print("| B | context | K/V format | time (us) | speed vs bf16 | MB read | GB/s |")
     print("|---:|---:|---|---:|---:|---:|---:|")
+    results = {}
     with torch.inference_mode():
         for batch in args.batches:
             for ctx in args.contexts:
-                for row in bench_case(batch, ctx, args.reps, args.isa, clock):
-                    print(row, flush=True)
+                rows = results[(batch, ctx)] = bench_case(batch, ctx, args.reps, args.isa, clock)
+                for label, t, n in rows:
+                    print(
+                        f"| {batch} | {ctx} | {label} | {t * 1e6:.0f} | {rows[0][1] / t:.2f}x "
+                        f"| {n / 1e6:.2f} | {n / t / 1e9:.1f} |",
+                        flush=True,
+                    )
+    if args.plot:
+        draw(args.plot, title, results)
 
 
 if __name__ == "__main__":
