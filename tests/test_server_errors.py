@@ -162,6 +162,7 @@ ENDPOINTS = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
     ("GET", "/openapi.json"),
+    ("GET", "/v1/kv_state"),
 ]
 
 

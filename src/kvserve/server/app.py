@@ -20,7 +20,7 @@ from kvserve.server.completions import create_completion
 from kvserve.server.config import ServerConfig
 from kvserve.server.errors import APIError, bad_request, install_error_handlers
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from kvserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvserve.server.middleware import OPEN_PATHS, APIKeyMiddleware, BodyLimitMiddleware
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -34,6 +34,7 @@ from kvserve.server.protocol import (
     TokenizerInfoResponse,
 )
 from kvserve.server.serving import Served
+from kvserve.server.web_view import WEB_VIEW_PATHS, add_web_view_routes
 from kvserve.server.worker_routes import add_worker_routes
 
 VERSION = importlib.metadata.version("kvserve")
@@ -80,7 +81,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(BodyCheckMiddleware, config=state.config, pool=state.body_check_pool)
     app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
     if keys := state.config.tenant_keys:
-        app.add_middleware(APIKeyMiddleware, keys=keys)
+        # the web view's page and assets hold no data: they load without a key, then ask
+        app.add_middleware(APIKeyMiddleware, keys=keys, open_paths=OPEN_PATHS | WEB_VIEW_PATHS)
 
     def served() -> Served:
         if state.served is None:
@@ -171,5 +173,6 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse({"version": VERSION})
 
     add_worker_routes(app, served)  # what routers ask a replica (SGLang's router, llm-d)
+    add_web_view_routes(app, served)  # / and its assets, GET /v1/kv_state
 
     return app

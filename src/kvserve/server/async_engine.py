@@ -65,6 +65,7 @@ from kvserve.server.engine_records import (
     QueueFullError,
 )
 from kvserve.server.feeding import Feeding
+from kvserve.server.latency_window import LatencyWindow
 from kvserve.server.loop_faults import LoopFaults
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.request_group import (
@@ -149,6 +150,7 @@ class AsyncEngine(LoopFaults, Feeding):
         self._num_preempted_waiting = 0  # waiting in the engine after a preemption
         self._stats: EngineStats = engine.stats()  # the loop's latest snapshot
         self._heartbeat = time.monotonic()  # when the loop last finished an iteration
+        self.latency = LatencyWindow()  # the last finished sequences' TTFT / TPOT (web view)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
 
@@ -371,6 +373,7 @@ class AsyncEngine(LoopFaults, Feeding):
             if out.finished:
                 group.expected -= 1
                 log_finished(out)
+                self.latency.record(out)
                 if group.expected == 0:
                     group.done = True
                     for r in group.request_ids:

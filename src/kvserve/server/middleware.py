@@ -20,18 +20,22 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class APIKeyMiddleware:
-    """Every path but ``OPEN_PATHS`` needs ``Authorization: Bearer KEY`` with a known key; the
+    """Every path but ``open_paths`` (default ``OPEN_PATHS``; the app adds the web view's
+    static page, server/web_view.py) needs ``Authorization: Bearer KEY`` with a known key; the
     key's tenant goes into the scope (``tenants.SCOPE_KEY``). Every key is compared, in
     constant time, whatever matched: the time taken does not tell which key came close."""
 
-    def __init__(self, app: ASGIApp, keys: Mapping[str, str]) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: Mapping[str, str], open_paths: frozenset[str] = OPEN_PATHS
+    ) -> None:
         if not keys:
             raise ValueError("APIKeyMiddleware needs at least one key")
         self.app = app
+        self.open_paths = open_paths
         self.keys = [(f"Bearer {key}".encode(), tenant) for key, tenant in keys.items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         tenant = None
