@@ -7,7 +7,7 @@ depend on token values when EOS is ignored, so the bookkeeping is exactly the en
 come from KVCacheSpec, the same function the engine allocates with.
 
     python -m benchmarks.capacity [--kv-cache-memory 256MiB] [--dtype bfloat16] [--num-requests 256]
-        [--kv-cache-dtype auto int8 fp8_e4m3 int4_asym int4 int4/int8]
+        [--kv-cache-dtype auto int8 fp8_e4m3 int4 int4_sym int4/int8]
 
 One row per cache dtype (K/V apart as int4/int8): bytes per token, the pool's blocks and the
 requests held at once at the same memory.
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        default=["auto", "int8", "fp8_e4m3", "int4_asym", "int4", "int4/int8"],
+        default=["auto", "int8", "fp8_e4m3", "int4", "int4_sym", "int4/int8"],
         help="one row each; auto = --dtype (the exact cache); K/V apart as int4/int8",
     )
     ap.add_argument("--block-size", type=int, default=16)

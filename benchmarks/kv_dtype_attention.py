@@ -1,5 +1,5 @@
 """kv-dtype attention: one layer's decode attention over a paged cache stored quantized
-(``kvserve::paged_decode_attention_quant``: int8, int4, int4_asym, fp8_e4m3, and K int4 with V
+(``kvserve::paged_decode_attention_quant``: int8, int4_sym, int4, fp8_e4m3, and K int4_sym with V
 int8) against the float kernel over bfloat16 blocks (``kvserve::paged_decode_attention``, the
 baseline), at the same context.
 
@@ -15,7 +15,7 @@ dequantized to float32.
     python -m benchmarks.kv_dtype_attention --threads 1 --clock cpu   # on a busy machine
 
 Measured (AMD EPYC Zen 5 VM, 2 vCPUs, AVX-512 path, --threads 2): every quantized format
-faster than bfloat16 at B 8 and 64 (B 64 x 2048: 7.2 ms bf16 -> 3.9 int8, 4.0 int4, 4.5 fp8;
+faster than bfloat16 at B 8 and 64 (B 64 x 2048: 7.2 ms bf16 -> 3.9 int8, 4.0 int4_sym, 4.5 fp8;
 1.6-1.8x; B 8 x 2048: 1.1-1.3x, L3-resident, compute-bound); AVX2 path (--isa 1) 1.5-1.8x and
 1.1-1.2x. At B 1 (L2-resident, pure compute) they are 0.9-1.1x: the dequantization is not
 hidden behind memory there, and fp8's decode is the costliest (~0.92x).
@@ -42,10 +42,10 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 FORMATS = [
     ("bfloat16", "bfloat16", "bfloat16"),
     ("int8", "int8", "int8"),
+    ("int4_sym", "int4_sym", "int4_sym"),
     ("int4", "int4", "int4"),
-    ("int4_asym", "int4_asym", "int4_asym"),
     ("fp8_e4m3", "fp8_e4m3", "fp8_e4m3"),
-    ("K int4 + V int8", "int4", "int8"),
+    ("K int4_sym + V int8", "int4_sym", "int8"),
 ]
 
 

@@ -12,7 +12,7 @@ warm-up are not timed, only its ``generate`` call.
 
     python -m benchmarks.offline [--dtype auto] [--num-requests 64] [--runs 3] [--hf] \\
         [--vllm-python .peers/vllm/bin/python] [--vllm-model .peers/smollm2-hf] \\
-        [--vllm-dtype same|float32|bfloat16] [--kv-cache-dtype auto|int8|int4|...]
+        [--vllm-dtype same|float32|bfloat16] [--kv-cache-dtype auto|int8|int4_sym|...]
 
 The vLLM peer and the converted model come from ``bash benchmarks/peers/setup.sh vllm``;
 without them that row is left out.
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="kvserve's cache dtype (auto: the exact cache; int8, int4, ... are lossy)",
+        help="kvserve's cache dtype (auto: the exact cache; int8, int4_sym, ... are lossy)",
     )
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)

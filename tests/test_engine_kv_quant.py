@@ -1,7 +1,7 @@
 """The engine on quantized K/V blocks: prefix hits, copy-on-write (n > 1), preemption and
 chunked prefill give the same tokens as the same quantized cache without them, no block leaks;
 paged attention over quantized blocks against the reference over dequantized ones; and
-``eval-cache`` on a tiny random model (0 KL for the exact cache measured, > 0 for int4)."""
+``eval-cache`` on a tiny random model (0 KL for the exact cache measured, > 0 for int4_sym)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def session(request, tmp_path_factory) -> ModelSession:
     return ModelSession.open(path, "float32", "cpu", quantization=quantization)
 
 
-KV = [("int8", "int8"), ("int4", "int8"), ("fp8_e4m3", "int4_asym")]
+KV = [("int8", "int8"), ("int4_sym", "int8"), ("fp8_e4m3", "int4")]
 
 
 @pytest.mark.parametrize("k,v", KV, ids=["int8", "k4v8", "fp8-k4a"])
@@ -67,7 +67,7 @@ def test_parallel_samples_share_quantized_blocks(session) -> None:
     # n = 3 samples fork the prompt's blocks, copying the partial last block (codes and scales)
     # on write: sample i must equal a lone request seeded seed + i, which owns all its blocks
     prompt = random_token_ids(10, seed=3)  # 10 tokens: the last block (4) is partial
-    llm = make_llm(session, kv_cache_dtype="int4")
+    llm = make_llm(session, kv_cache_dtype="int4_sym")
     engine, copies = llm.engine, []
     schedule = engine.scheduler.schedule
 
@@ -94,7 +94,7 @@ def test_exact_cache_unchanged_by_the_new_layout(session) -> None:
     assert llm.engine.spec.cache_dtype_name == "float32"
 
 
-@pytest.mark.parametrize("k,v", [("int8", "int8"), ("int4", "int4"), ("fp8_e4m3", "int8")])
+@pytest.mark.parametrize("k,v", [("int8", "int8"), ("int4_sym", "int4_sym"), ("fp8_e4m3", "int8")])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "sdpa"])
 def test_paged_attention_over_quantized_blocks(k: str, v: str, use_kernel: bool) -> None:
     # decodes and prefill chunks over blocks written quantized, against the plain reference
@@ -113,7 +113,7 @@ def test_paged_attention_over_quantized_blocks(k: str, v: str, use_kernel: bool)
     ref = reference_paged_attention(qst, md, 0, q, 16**-0.5)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     exact = PagedAttention(storage, md, 16**-0.5)(0, q, kk, vv)
-    assert float((out - exact).abs().max()) < (0.1 if "int4" not in (k, v) else 0.6)
+    assert float((out - exact).abs().max()) < (0.1 if "int4_sym" not in (k, v) else 0.6)
 
 
 def test_eval_cache_on_a_tiny_model(session) -> None:
@@ -121,7 +121,7 @@ def test_eval_cache_on_a_tiny_model(session) -> None:
     variants = [
         CacheVariant("exact again", "auto", "auto"),  # the same path: its KL must be exactly 0
         CacheVariant("int8", "int8", "int8"),
-        CacheVariant("int4", "int4", "int4"),
+        CacheVariant("int4_sym", "int4_sym", "int4_sym"),
     ]
     prompts = [random_token_ids(6, seed=1), random_token_ids(9, seed=2)]
     report = evaluate(session.model, text, variants, prompts, max_new_tokens=12, chunk=64)
@@ -131,7 +131,7 @@ def test_eval_cache_on_a_tiny_model(session) -> None:
     assert again.perplexity == exact.perplexity and again.perplexity_delta_pct == 0.0
     assert i4.mean_kl > i8.mean_kl > 0.0 and i4.p99_kl >= i4.mean_kl
     assert i4.max_abs_logit_diff > 0.0 and 0.0 < i4.top1_agreement <= 1.0
-    spec = session.model.kv_cache_spec(CacheDtype("int4"), CacheDtype("int4"))
+    spec = session.model.kv_cache_spec(CacheDtype("int4_sym"), CacheDtype("int4_sym"))
     assert i4.bytes_per_token == spec.bytes_per_token
     assert i4.tokens_per_gib == (1 << 30) // spec.bytes_per_token
     assert exact.bytes_per_token == session.model.kv_cache_spec().bytes_per_token

@@ -76,8 +76,8 @@ def test_the_spec_and_the_dtype_table_are_the_engines(llm: LLM) -> None:
     assert table["float32"][128] == 512 and table["bfloat16"][128] == 256
     assert table["float16"][128] == 256
     assert table["int8"][128] == 128 + 4 * 2  # 34 bytes per 32 values
-    assert table["int4"][128] == 64 + 4 * 2  # 18 per 32
-    assert table["int4_asym"][128] == 64 + 2 * 4 * 2  # 20 per 32
+    assert table["int4_sym"][128] == 64 + 4 * 2  # 18 per 32
+    assert table["int4"][128] == 64 + 2 * 4 * 2  # 20 per 32
     assert table["fp8_e4m3"][128] == 128 + 2  # one scale per token and head
     assert table["int8"][16] == 16 + 2  # a head under 32 values is one group
     assert sorted(table["float32"]) == [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256]
@@ -144,7 +144,7 @@ def test_to_json_is_compact_plain_json(llm: LLM) -> None:
     wire = json.loads(json.dumps(build_kv_state(llm.engine, "tiny").to_json()))
     assert list(wire) == [f.name for f in fields(KVState)]
     assert wire["blocks"][:3] == [1, 1, 0] and wire["block_requests"] == {"0": [0], "1": [0]}
-    assert wire["cache_dtypes"]["int4"]["128"] == 72
+    assert wire["cache_dtypes"]["int4_sym"]["128"] == 72
 
 
 def final(ttft: float, decode: float, tokens: int, reason: str = "length") -> RequestOutput:

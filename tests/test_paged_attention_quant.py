@@ -21,11 +21,11 @@ from kvserve.kernels.paged_attention_ops import (
 from kvserve.kv.cache_dtype import FORMAT_CODES, CacheDtype
 from kvserve.platform import detect_cpu_features
 
-FORMATS = ("int8", "int4", "int4_asym", "fp8_e4m3", "bfloat16")
+FORMATS = ("int8", "int4_sym", "int4", "fp8_e4m3", "bfloat16")
 # every same-format pair, and mixed ones a deployment would pick (K is the sensitive side)
 PAIRS = [(f, f) for f in FORMATS] + [
-    ("int4", "int8"),
-    ("int8", "int4"),
+    ("int4_sym", "int8"),
+    ("int8", "int4_sym"),
     ("int8", "bfloat16"),
 ]
 # (head_dim, heads, kv_heads, block_size, q dtype): GQA groups 3, 8, 1, 8, 1, 3
@@ -146,7 +146,7 @@ def test_float_format_is_the_float_kernel(dtype, isa) -> None:
 
 @pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("head_dim", [64, 128, 96, 80, 20, 2])
-@pytest.mark.parametrize("name", ["int8", "int4", "int4_asym", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["int8", "int4_sym", "int4", "fp8_e4m3"])
 def test_dequantize_is_the_reference_bit_for_bit(name, head_dim, isa) -> None:
     gen = torch.Generator().manual_seed(head_dim)
     x = torch.randn(61, head_dim, generator=gen) * torch.rand(61, 1, generator=gen) * 4
@@ -183,7 +183,7 @@ def test_fp8_every_byte(isa) -> None:
 def test_many_long_requests_on_threads(isa: int) -> None:
     # enough K/V rows (> 8192) that the (request, kv head) tasks spread over threads
     lens = [(37 * i) % 700 + 1 for i in range(24)]
-    args, k, v = make_case("int4", "int8", 64, 9, 3, 16, lens, seed=7)
+    args, k, v = make_case("int4_sym", "int8", 64, 9, 3, 16, lens, seed=7)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -196,7 +196,7 @@ def test_many_long_requests_on_threads(isa: int) -> None:
 def test_isa_paths_agree_closely() -> None:
     # same inputs: the vector paths differ from scalar only by summation order (and exp's
     # polynomial): a few float32 ulps of the output's scale (K's outliers make scores ~20)
-    args, _, _ = make_case("int4_asym", "fp8_e4m3", 64, 9, 3, 16, random_lens(16, 8), seed=8)
+    args, _, _ = make_case("int4", "fp8_e4m3", 64, 9, 3, 16, random_lens(16, 8), seed=8)
     scalar = paged_decode_attention_quant(*args, 0.125, 0)
     for isa in supported_isas()[1:]:
         out = paged_decode_attention_quant(*args, 0.125, isa)
@@ -214,7 +214,7 @@ def test_unsupported_isa_raises(isa: int) -> None:
 
 def test_bad_inputs_raise_naming_the_value() -> None:
     (q, kc, ks, km, kf, vc, vs, vm, vf, tables, lens), _, _ = make_case(
-        "int4_asym", "int8", 64, 4, 2, 16, [5, 20]
+        "int4", "int8", 64, 4, 2, 16, [5, 20]
     )
     good = dict(q=q, kc=kc, ks=ks, km=km, kf=kf, vc=vc, vs=vs, vm=vm, vf=vf, t=tables, n=lens)
     cases = {
@@ -236,7 +236,7 @@ def test_bad_inputs_raise_naming_the_value() -> None:
         "v_codes must be \\(num_blocks": dict(vc=vc[:-1], vs=vs[:-1]),
         "k_codes must be \\(num_blocks": dict(kc=kc[0]),
         "contiguous": dict(vc=vc.transpose(0, 1).contiguous().transpose(0, 1)),
-        "int4 formats need an even head_dim": dict(q=q[..., :63]),
+        "4-bit formats need an even head_dim": dict(q=q[..., :63]),
         "num_heads 3 must be a multiple of num_kv_heads 2": dict(q=q[:, :3]),
         "block_tables\\[0, 0\\] = 99": dict(t=torch.full_like(tables, 99)),
         "seq_lens\\[1\\] = 0": dict(n=torch.tensor([5, 0])),
@@ -254,7 +254,7 @@ def test_bad_inputs_raise_naming_the_value() -> None:
 
 
 def test_meta_kernel_traces_and_compiles_once() -> None:
-    args, _, _ = make_case("int4", "bfloat16", 64, 9, 3, 16, random_lens(16, 9))
+    args, _, _ = make_case("int4_sym", "bfloat16", 64, 9, 3, 16, random_lens(16, 9))
     torch.library.opcheck(
         torch.ops.kvserve.paged_decode_attention_quant.default,
         (*args, 0.125, -1),

@@ -68,10 +68,10 @@ def test_llama_3_8b_config_by_hand() -> None:
         ("float32", "float32"),
         ("bfloat16", "bfloat16"),
         ("float32", "int8"),
+        ("bfloat16", "int4_sym"),
         ("bfloat16", "int4"),
-        ("bfloat16", "int4_asym"),
         ("float32", "fp8_e4m3"),
-        ("bfloat16", "int4/int8"),
+        ("bfloat16", "int4_sym/int8"),
         ("bfloat16", "int8/bfloat16"),
     ],
 )

@@ -93,9 +93,9 @@ def test_kv_state_has_the_schema_and_the_pools_state(client) -> None:
     }  # fmt: skip
     assert state["stats"]["prefix_cache_hit_rate"] is None
     assert state["latency"]["num_ttft"] == 0 and state["latency"]["ttft_median_s"] is None
-    # bytes per token and head at head dim 128: 34 (int8) and 18 (int4) per 32 values
+    # bytes per token and head at head dim 128: 34 (int8) and 18 (int4_sym) per 32 values
     assert state["cache_dtypes"]["int8"]["128"] == 136
-    assert state["cache_dtypes"]["int4"]["128"] == 72
+    assert state["cache_dtypes"]["int4_sym"]["128"] == 72
 
     prompt = list(range(100, 140))  # 40 tokens
     assert complete(client, prompt, 5)["prompt_tokens_details"]["cached_tokens"] == 0

@@ -77,7 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
         default=_CACHE.kv_cache_dtype,
         choices=CACHE_DTYPE_NAMES,
         help="what K and V are stored as: auto (the model dtype, exact) or a lossy int8, int4 "
-        "(q4_0-like), int4_asym (q4_1-like), fp8_e4m3; kvserve eval-cache says what each costs",
+        "(q4_1-like), int4_sym (q4_0-like), fp8_e4m3; kvserve eval-cache says what each costs",
     )
     for side in ("k", "v"):
         p.add_argument(

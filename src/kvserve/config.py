@@ -31,7 +31,7 @@ class CacheConfig:
     # record every change to the prefix-cache index (kv/events.py) for a KV-events publisher
     enable_kv_cache_events: bool = False
     # what K and V are stored as (kv/cache_dtype.py): "auto" = the model's dtype, exact; int8,
-    # int4, int4_asym, fp8_e4m3 are lossy (``kvserve eval-cache`` says how much). The k_ / v_
+    # int4, int4_sym, fp8_e4m3 are lossy (``kvserve eval-cache`` says how much). The k_ / v_
     # fields, when set, override kv_cache_dtype for that side (llama.cpp's -ctk / -ctv).
     kv_cache_dtype: str = "auto"
     k_cache_dtype: str | None = None

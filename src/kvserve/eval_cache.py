@@ -40,7 +40,7 @@ DEFAULT_VARIANTS: tuple[tuple[str, str, str], ...] = (
     ("exact", "auto", "auto"),
     ("int8", "int8", "int8"),
     ("int4", "int4", "int4"),
-    ("int4_asym", "int4_asym", "int4_asym"),
+    ("int4_sym", "int4_sym", "int4_sym"),
     ("fp8_e4m3", "fp8_e4m3", "fp8_e4m3"),
     ("K int4 + V int8", "int4", "int8"),
     ("K int8 + V int4", "int8", "int4"),

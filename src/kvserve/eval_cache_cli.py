@@ -27,7 +27,7 @@ def add_eval_cache_args(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DTYPE",
         help="variants to compare with the exact cache: a dtype for K and V, or K/V apart as "
-        "int4/int8 (default: int8 int4 int4_asym fp8_e4m3 int4/int8 int8/int4)",
+        "int4/int8 (default: int8 int4 int4_sym fp8_e4m3 int4/int8 int8/int4)",
     )
     p.add_argument("--max-text-tokens", type=int, default=4096, help="cut the text here")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")

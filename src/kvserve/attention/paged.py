@@ -13,7 +13,7 @@ and then attends:
   K/V) or ``kvserve::paged_decode_attention_quant`` (either side quantized, each block
   dequantized in L1) reads every request's K/V in place through its block table
   (kernels/paged_attention_ops.py; 3-5x faster than the gather below at every shape
-  benchmarks/paged_attention.py covers; over int8 / int4 blocks 1.4-1.8x faster than over
+  benchmarks/paged_attention.py covers; over int8 / int4_sym blocks 1.4-1.8x faster than over
   bfloat16 at B 64, benchmarks/kv_dtype_attention.py);
 - otherwise (no kernel, KVSERVE_KERNELS=0, CUDA) ``sdpa_decode``: in groups of DECODE_GROUP
   requests of similar length (the runner sorts them), gather each request's blocks into

@@ -22,7 +22,7 @@ class LLM:
 
     ``kv_cache_memory``: bytes (int), GiB (float) or a string such as "2GiB"; ``num_kv_blocks``
     sets the block count directly instead. ``kv_cache_dtype`` (and ``k_cache_dtype`` /
-    ``v_cache_dtype`` for one side): "auto" keeps the exact cache; "int8", "int4", "int4_asym",
+    ``v_cache_dtype`` for one side): "auto" keeps the exact cache; "int8", "int4", "int4_sym",
     "fp8_e4m3" hold more tokens in the same memory at a measured loss (``kvserve eval-cache``).
     """
 

@@ -40,5 +40,5 @@ def register_fakes() -> None:
 
     @torch.library.register_fake("kvserve::kv_dequantize")
     def _kv_dequantize(codes, scales, mins, format, isa=-1):
-        head_dim = codes.shape[1] * (2 if format in (2, 3) else 1)  # int4: two values a byte
+        head_dim = codes.shape[1] * (2 if format in (2, 3) else 1)  # 4 bits: two values a byte
         return codes.new_empty((codes.shape[0], head_dim), dtype=torch.float32)

@@ -12,7 +12,7 @@ faster at every shape of the default model it covers (B 1, 8, 64; context 128..2
 there is no shape where the gather path is kept by choice.
 
 ``torch.ops.kvserve.paged_decode_attention_quant`` is the same attention over a cache whose K
-and V are each stored in a ``kvserve.kv.cache_dtype.CacheDtype`` (int8, int4, int4_asym,
+and V are each stored in a ``kvserve.kv.cache_dtype.CacheDtype`` (int8, int4_sym, int4,
 fp8_e4m3 codes with float16 scales, or a float dtype): ``benchmarks/kv_dtype_attention.py``
 measured every quantized format faster than the float kernel over bfloat16 at B 8 and 64
 (1.1-1.3x at 2048 tokens from L3, 1.6-1.8x at B 64 from DRAM).
@@ -95,7 +95,7 @@ def paged_decode_attention_quant(
     ``codes`` (num_blocks, block_size, num_kv_heads, code_bytes), contiguous, with
     ``scales`` / ``mins`` (num_blocks, block_size, num_kv_heads, num_groups) float16 or None,
     and ``format`` = ``CacheDtype.format_code``: 0 float (codes are the float32 / bfloat16 /
-    float16 values, no scales), 1 int8, 2 int4, 3 int4_asym (the only one with mins),
+    float16 values, no scales), 1 int8, 2 int4_sym, 3 int4 (the only one with mins),
     4 fp8_e4m3; exactly what ``CacheDtype.quantize`` returns, per block. K and V formats are
     independent. block_tables (B, max_blocks) int64, seq_lens (B,) int64, as
     ``paged_decode_attention``. Returns (B, num_heads, head_dim) in q's dtype; float32

@@ -154,7 +154,7 @@ class KVCacheSpec:
 
     @property
     def cache_dtype_name(self) -> str:
-        """ "bfloat16", "int8", or K/V apart as "int4/int8" (per group, comma-separated)."""
+        """ "bfloat16", "int8", or K/V apart as "int4_sym/int8" (per group, comma-separated)."""
         names = []
         for g in self.groups:
             k, v = g.spec.k_dtype.name, g.spec.v_dtype.name

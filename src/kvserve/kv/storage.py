@@ -21,7 +21,7 @@ Layout, per group of layers with one spec (kv/spec.py), block dim after the laye
     float K and V of one dtype:  kv        (2 = K | V, layers, num_blocks, block_size, kv_heads, head_dim)
     otherwise, per side s:       s.codes   (layers, num_blocks, block_size, kv_heads, code_bytes)
                                  s.scales  (layers, num_blocks, block_size, kv_heads, groups) float16
-                                 s.mins    (same, int4_asym only)
+                                 s.mins    (same, int4 only)
 
 The first layout is what the fused decode step (``kvserve::decode_layers``) takes whole.
 """
@@ -76,7 +76,7 @@ class _Group:
                 self.tensors[f"{side}.scales"] = torch.zeros(
                     shape, dtype=torch.float16, device=device
                 )
-                if dt.name == "int4_asym":
+                if dt.name == "int4":
                     self.tensors[f"{side}.mins"] = torch.zeros(
                         shape, dtype=torch.float16, device=device
                     )

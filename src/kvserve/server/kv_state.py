@@ -50,7 +50,7 @@ class SpecSummary:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    cache_dtype: str  # "bfloat16", "int8", or "int4/int8" when K and V differ
+    cache_dtype: str  # "bfloat16", "int8", or "int4_sym/int8" when K and V differ
     k_cache_dtype: str
     v_cache_dtype: str
     bytes_per_token: int  # every layer, K and V: exactly what the storage holds
@@ -111,7 +111,7 @@ def dtype_table(head_dims: tuple[int, ...]) -> dict[str, dict[int, int]]:
         for d in head_dims:
             try:
                 row[d] = dtype.bytes_per_head(d)
-            except ValueError:  # int4 needs an even head dim
+            except ValueError:  # int4_sym needs an even head dim
                 continue
         table[name] = row
     return table

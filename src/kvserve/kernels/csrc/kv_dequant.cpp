@@ -3,12 +3,12 @@
 // cache_dtype.dequantize bit for bit (and fp8 over all 256 bytes).
 //
 // Every format is handled one scale group at a time: a group of G values has one scale (and
-// min), its codes are G bytes (int8, fp8) or G / 2 (int4: byte j holds value j low, j + G / 2
+// min), its codes are G bytes (int8, fp8) or G / 2 (4 bits: byte j holds value j low, j + G / 2
 // high), so a vector of 16 (AVX-512) or 8 (AVX2) consecutive bytes of a group dequantizes to
-// consecutive outputs (two runs of them for int4). G is 32 or head_dim: tails are masked
+// consecutive outputs (two runs of them for 4 bits). G is 32 or head_dim: tails are masked
 // (AVX-512) or scalar (AVX2). Same TU scheme as paged_attention.cpp: plain -O3 and
 // __attribute__((target)) paths chosen at run time. The TU is ISO C++ (-std=c++20), so GCC
-// does not contract d * q + m into an FMA: int4_asym rounds twice, as the reference does.
+// does not contract d * q + m into an FMA: int4 rounds twice, as the reference does.
 #include "cpu_isa.h"
 #include "kv_dequant.h"
 
@@ -44,7 +44,7 @@ const std::array<float, 256> kFp8Values = [] {
   return t;
 }();
 
-// Values [j0, j1) of one group (codes c, output o; for int4 j < G / 2 indexes bytes and
+// Values [j0, j1) of one group (codes c, output o; for 4 bits j < G / 2 indexes bytes and
 // writes o[j] and o[j + G / 2]).
 template <int64_t F>
 inline void group_scalar(const uint8_t* c, int64_t G, float d, float m, int64_t j0, int64_t j1,
@@ -252,15 +252,15 @@ const char* dtype_name(at::ScalarType t) {
 }
 
 const char* format_name(int64_t fmt) {
-  static const char* names[] = {"float", "int8", "int4", "int4_asym", "fp8_e4m3"};
+  static const char* names[] = {"float", "int8", "int4_sym", "int4", "fp8_e4m3"};
   return names[fmt];
 }
 
 // kvserve::kv_dequantize: codes (N, code_bytes), scales / mins (N, num_groups) -> (N, D) f32
 at::Tensor kv_dequantize_cpu(const at::Tensor& codes, const std::optional<at::Tensor>& scales,
                              const std::optional<at::Tensor>& mins, int64_t fmt, int64_t isa) {
-  TORCH_CHECK(fmt >= kInt8 && fmt <= kFp8, "format must be a quantized one, 1 (int8), 2 (int4), "
-              "3 (int4_asym) or 4 (fp8_e4m3), got ", fmt);
+  TORCH_CHECK(fmt >= kInt8 && fmt <= kFp8, "format must be a quantized one, 1 (int8), 2 (int4_sym), "
+              "3 (int4) or 4 (fp8_e4m3), got ", fmt);
   TORCH_CHECK(codes.dim() == 2, "codes must be (N, code_bytes), got ", codes.sizes());
   const int64_t D = is_int4(fmt) ? 2 * codes.size(1) : codes.size(1);
   check_side("", fmt, codes, scales, mins, D);
@@ -296,8 +296,8 @@ int64_t resolve_isa(int64_t isa) {
 void check_side(const char* p, int64_t fmt, const at::Tensor& codes,
                 const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& mins,
                 int64_t D) {
-  TORCH_CHECK(fmt >= kFloat && fmt <= kFp8, p, "format must be 0 (float), 1 (int8), 2 (int4), "
-              "3 (int4_asym) or 4 (fp8_e4m3), got ", fmt);
+  TORCH_CHECK(fmt >= kFloat && fmt <= kFp8, p, "format must be 0 (float), 1 (int8), 2 (int4_sym), "
+              "3 (int4) or 4 (fp8_e4m3), got ", fmt);
   const char* name = format_name(fmt);
   TORCH_CHECK(codes.device().is_cpu() && codes.is_contiguous(), p, "codes must be a contiguous "
               "CPU tensor");
@@ -317,7 +317,7 @@ void check_side(const char* p, int64_t fmt, const at::Tensor& codes,
     TORCH_CHECK(mins.has_value() == (fmt == kInt4Asym), p, "mins must be ",
                 fmt == kInt4Asym ? "given" : "None", " for ", p, "format ", fmt, " (", name, ")");
   }
-  TORCH_CHECK(!is_int4(fmt) || D % 2 == 0, "int4 formats need an even head_dim, got ", D);
+  TORCH_CHECK(!is_int4(fmt) || D % 2 == 0, "4-bit formats need an even head_dim, got ", D);
   const int64_t cb = fmt == kFloat ? D : code_bytes(fmt, D);
   TORCH_CHECK(codes.dim() >= 1 && codes.size(-1) == cb, p, "codes last dim must be ", cb,
               " (head_dim ", D, ", ", name, "), got ", codes.sizes());

@@ -25,9 +25,9 @@ inline int64_t code_bytes(int64_t fmt, int64_t D) {
 }
 
 // out (rows, D) f32 <- rows of one kv head: row r's codes at codes + r * cs (bytes), its
-// num_groups scales (and mins, int4_asym only; else unused) at scales + r * ss, mins + r * ss.
+// num_groups scales (and mins, int4 only; else unused) at scales + r * ss, mins + r * ss.
 // Exactly cache_dtype.dequantize: one float32 rounding per value (x = d q; d (q - 8); fp8:
-// d f; int4_asym: (d q) + m, two roundings, no FMA).
+// d f; int4: (d q) + m, two roundings, no FMA).
 using DequantFn = void (*)(const uint8_t* codes, int64_t cs, const c10::Half* scales,
                            const c10::Half* mins, int64_t ss, int64_t rows, int64_t D,
                            float* out);
@@ -39,7 +39,7 @@ DequantFn dequant_fn(int64_t fmt, int64_t D, int64_t isa);
 // Raises (naming `p`format, `p`codes, `p`scales, `p`mins; p = "k_", "v_" or "") unless fmt is
 // 0..4 and codes (..., code_bytes) / scales, mins (..., num_groups) are what format fmt stores
 // for head_dim D: codes' dtype, contiguous CPU float16 scales with codes' leading shape, mins
-// exactly for int4_asym, neither for a float format.
+// exactly for int4, neither for a float format.
 void check_side(const char* p, int64_t fmt, const at::Tensor& codes,
                 const std::optional<at::Tensor>& scales, const std::optional<at::Tensor>& mins,
                 int64_t D);

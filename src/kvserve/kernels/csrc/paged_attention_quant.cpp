@@ -1,10 +1,10 @@
 // kvserve::paged_decode_attention_quant: the decode attention of paged_attention.cpp over a
-// paged cache whose K and V are stored quantized (kvserve/kv/cache_dtype.py: int8, int4,
-// int4_asym, fp8_e4m3) or as floats, K and V each in its own format.
+// paged cache whose K and V are stored quantized (kvserve/kv/cache_dtype.py: int8, int4_sym,
+// int4, fp8_e4m3) or as floats, K and V each in its own format.
 //
 //   k_codes  (num_blocks, block_size, num_kv_heads, code_bytes)   contiguous
 //   k_scales (num_blocks, block_size, num_kv_heads, num_groups)   float16 (quantized only)
-//   k_mins   the same shape, int4_asym only;  v_* likewise
+//   k_mins   the same shape, int4 only;  v_* likewise
 //   token t of request b is row  [block_tables[b][t / block_size], t % block_size]
 //
 // Same task loop as paged_attention.cpp (task = (request b, kv head h), scores (G, n), softmax,
@@ -162,7 +162,7 @@ struct Side {
   int64_t fmt;
   const uint8_t* codes;
   const Half* scales;  // null for a float side
-  const Half* mins;    // int4_asym only
+  const Half* mins;    // int4 only
   int64_t row_bytes, ng;
   RowKernels direct;  // format 0: the primitives over the cache's own dtype
   DequantFn deq;      // formats 1..4: slots -> float32 rows
