@@ -1,30 +1,26 @@
-"""The dense-cache backend of one forward pass: preallocated K/V buffers and a fill pointer."""
+"""The dense-cache backend of one forward pass: one preallocated block of ``max_len`` tokens
+(a ``KVCacheStorage`` whose block size is the sequence's whole room) and a fill pointer."""
 
 from __future__ import annotations
 
 import torch
 
 from kvserve.attention.backend import causal_attention
+from kvserve.kv.storage import KVCacheStorage
 
 
 class DenseAttention:
-    """Write this pass's K/V at rows [start, start + T), attend over rows [0, start + T).
+    """Write this pass's K/V at positions [start, start + T) of block 0, attend over
+    positions [0, start + T). Positions past the fill pointer are stale and never read."""
 
-    k_cache, v_cache: (layers, kv_heads, max_len, head_dim); rows past the fill pointer are
-    stale and never read.
-    """
-
-    def __init__(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, scale: float
-    ) -> None:
-        self.k_cache, self.v_cache, self.start, self.scale = k_cache, v_cache, start, scale
+    def __init__(self, storage: KVCacheStorage, start: int, scale: float) -> None:
+        self.storage, self.start, self.scale = storage, start, scale
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         end = self.start + q.shape[0]
-        self.k_cache[layer_idx, :, self.start : end] = k.transpose(0, 1)
-        self.v_cache[layer_idx, :, self.start : end] = v.transpose(0, 1)
-        return causal_attention(
-            q, self.k_cache[layer_idx, :, :end], self.v_cache[layer_idx, :, :end], self.scale
-        )
+        slots = torch.arange(self.start, end, device=q.device)  # block 0: slot = position
+        self.storage.write(layer_idx, slots, k, v)
+        k_all, v_all = self.storage.read_block(layer_idx, 0, end)  # (end, kv_heads, head_dim)
+        return causal_attention(q, k_all.transpose(0, 1), v_all.transpose(0, 1), self.scale)

@@ -5,7 +5,8 @@ Every reader and writer goes through this protocol:
 - ``write(layer, slot_mapping, k, v)``: this step's K/V at their slots (quantized here when the
   side is stored quantized);
 - ``gather(layer, block_table)``: a batch of requests' K/V, dequantized to the compute dtype
-  (prefill chunks and the PyTorch decode path);
+  (prefill chunks and the PyTorch decode path); ``read_block`` the first tokens of one block
+  (the dense cache: one block of ``max_len`` tokens);
 - ``plane(layer, side)``: one side as the C++ decode kernels read it in place (codes, scales);
 - ``copy_blocks`` (copy-on-write: codes and scales alike), ``read_blocks`` / ``write_blocks``
   (a saved prefix cache), ``nbytes``.
@@ -168,6 +169,21 @@ class KVCacheStorage:
                 None if t is None else t[block_table].flatten(1, 2)
                 for t in (p.codes, p.scales, p.mins)
             ]
+            head_dim = self.spec.layers[layer].head_dim
+            out.append(p.dtype.dequantize(*parts, head_dim, self.compute_dtype))
+        return out[0], out[1]
+
+    def read_block(self, layer: int, block_id: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` tokens of one block: k, v (n, kv_heads, head_dim) in
+        ``compute_dtype``; views for a float side (no copy), dequantized copies otherwise.
+        The dense cache is one block of ``max_len`` tokens read this way."""
+        out = []
+        for side in SIDES:
+            p = self.plane(layer, side)
+            if not p.dtype.is_quantized and p.codes.dtype == self.compute_dtype:
+                out.append(p.codes[block_id, :n])
+                continue
+            parts = [None if t is None else t[block_id, :n] for t in (p.codes, p.scales, p.mins)]
             head_dim = self.spec.layers[layer].head_dim
             out.append(p.dtype.dequantize(*parts, head_dim, self.compute_dtype))
         return out[0], out[1]

@@ -20,6 +20,7 @@ import torch
 
 from kvserve.attention.dense import DenseAttention
 from kvserve.attention.no_cache import NoCacheAttention
+from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.llama import LlamaForCausalLM
 
 
@@ -99,16 +100,17 @@ class DenseCacheDecoder:
             raise ValueError(f"max_len must be in [1, {cfg.max_model_len}], got {max_len}")
         self.model = model
         self.max_len = max_len
-        shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
-        self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        # the lesson's preallocated buffer: one block of max_len positions, K and V in the
+        # model's dtype (the exact cache), through the same storage the engine pages
+        spec = model.kv_cache_spec(block_size=max_len)
+        self.storage = KVCacheStorage(spec, 1, model.device, model.dtype)
         self.tokens: list[int] = []
         self.counters = DecodeCounters()
 
     @property
     def cache_bytes(self) -> int:
         """Bytes allocated for K and V (the whole preallocated buffer)."""
-        return self.k_cache.nbytes + self.v_cache.nbytes
+        return self.storage.nbytes
 
     @property
     def used_cache_bytes(self) -> int:
@@ -145,9 +147,7 @@ class DenseCacheDecoder:
         start = len(self.tokens)
         ids = _as_ids(new_tokens, self.model.device)
         positions = torch.arange(start, start + ids.numel(), device=self.model.device)
-        backend = DenseAttention(
-            self.k_cache, self.v_cache, start, self.model.config.attention_scale
-        )
+        backend = DenseAttention(self.storage, start, self.model.config.attention_scale)
         hidden = self.model(ids, positions, backend)
         self.tokens.extend(new_tokens)
         self.counters.kv_projections += len(new_tokens)
