@@ -174,10 +174,10 @@ def test_a_big_batch_is_fed_round_robin_and_keeps_the_engine_queue_small(
 
     priorities: dict[str, int] = {}
 
-    def add_request(prompt, p, rid, salt, priority):
+    def add_request(prompt, p, rid, salt, priority, **kwargs):
         fed.append(rid)
         priorities[rid] = priority
-        return real_add(prompt, p, rid, salt, priority=priority)
+        return real_add(prompt, p, rid, salt, priority=priority, **kwargs)
 
     engine.add_request = add_request
     loop = AsyncEngine(engine, max_queued_requests=1000)

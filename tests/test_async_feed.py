@@ -42,9 +42,9 @@ class SteppedLoop:
             self.gate.acquire(timeout=30)
         return self.real_step()
 
-    def add_request(self, prompt, p, rid, salt, priority):
+    def add_request(self, prompt, p, rid, salt, priority, **kwargs):
         self.fed.append(rid)
-        return self.real_add(prompt, p, rid, salt, priority=priority)
+        return self.real_add(prompt, p, rid, salt, priority=priority, **kwargs)
 
     async def release_until_step(self, n: int) -> None:
         """Let steps run, one at a time, until the loop is held entering step ``n``."""
