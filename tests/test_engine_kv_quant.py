@@ -13,6 +13,7 @@ from test_paged_attention import build_step
 
 from kvserve.attention.paged import PagedAttention, reference_paged_attention
 from kvserve.eval_cache import CacheVariant, evaluate
+from kvserve.kernels.build import build_kernels
 from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
@@ -99,6 +100,8 @@ def test_exact_cache_unchanged_by_the_new_layout(session) -> None:
 def test_paged_attention_over_quantized_blocks(k: str, v: str, use_kernel: bool) -> None:
     # decodes and prefill chunks over blocks written quantized, against the plain reference
     # over the same (dequantized) blocks, and close to attention over the float originals
+    if use_kernel:
+        build_kernels()  # forced on: a broken build fails here, never a silent fallback
     seq_lens, query_lens = [1, 9, 33, 20, 17], [1, 1, 1, 6, 17]
     storage, md, q, kk, vv, dense = build_step(seq_lens, query_lens, torch.float32)
     spec = KVCacheSpec.full_attention(1, storage.spec.layers[0].num_kv_heads, 16, k, 4, v)

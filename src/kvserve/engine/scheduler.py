@@ -241,7 +241,8 @@ class Scheduler:
             return True
         n = min(req.num_tokens - num_hit, step.budget)
         # before allocating: new blocks may evict the very cached block a miss is explained by
-        why = self.kv.explain(req, num_hit) if req.explain_cache else None
+        first = req.num_cached_tokens < 0  # a preempted request's explanation stays its first
+        why = self.kv.explain(req, num_hit) if req.explain_cache and first else None
         if self.kv.allocate_slots(req, n, computed) is None:
             self.waiting.appendleft(req)  # no room now; it stays first in line
             return False
