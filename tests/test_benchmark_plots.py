@@ -35,6 +35,7 @@ SCRIPTS = [
     "cluster",
     "cluster_failover",
     "kv_dtype_attention",
+    "kv_dtype_offline",
 ]
 
 
