@@ -28,20 +28,20 @@ def test_fork_and_copy_on_write(kv):
     assert kv.cow_blocks_needed(child) == 1
     copy = kv.prepare_write(child)
     kv.check_integrity()
-    assert copy == (1, 2)
+    assert copy == [(1, 2)]
     assert kv.block_ids("c") == [0, 2]
     assert kv.block_ids("p") == [0, 1]
     assert refs(kv, [0, 1, 2]) == [2, 1, 1]  # full block 0 stays shared, never copied
     assert free_ids(kv) == [3, 4, 5, 6, 7, 8, 9]
     assert kv.cow_blocks_needed(child) == 0
-    assert kv.prepare_write(child) is None  # already private
+    assert kv.prepare_write(child) == []  # already private
     assert kv.allocate_slots(child, 1) == []
     child.num_computed_tokens += 1
 
     # the parent's partial block is private again: no copy for it
     parent.all_token_ids.append(41)
     assert kv.cow_blocks_needed(parent) == 0
-    assert kv.prepare_write(parent) is None
+    assert kv.prepare_write(parent) == []
     assert kv.block_ids("p") == [0, 1]
     assert kv.allocate_slots(parent, 1) == []
     parent.num_computed_tokens += 1
@@ -75,7 +75,7 @@ def test_fork_full_blocks_are_never_copied(kv):
 
     child.all_token_ids.append(9)
     assert kv.cow_blocks_needed(child) == 0
-    assert kv.prepare_write(child) is None
+    assert kv.prepare_write(child) == []
     assert [b.block_id for b in kv.allocate_slots(child, 1)] == [2]
     child.num_computed_tokens = 9
     kv.check_integrity()
@@ -83,7 +83,7 @@ def test_fork_full_blocks_are_never_copied(kv):
     assert refs(kv, [0, 1, 2]) == [2, 2, 1]
 
     parent.all_token_ids.append(10)
-    assert kv.prepare_write(parent) is None
+    assert kv.prepare_write(parent) == []
     assert [b.block_id for b in kv.allocate_slots(parent, 1)] == [3]
     kv.check_integrity()
 
@@ -115,7 +115,7 @@ def test_free_order_tail_first_and_eviction_order(kv):
     # a's head is still a hit; its evicted tail is not
     c = make_request("c", toks + [5])
     computed, num_hit = kv.get_computed_blocks(c)
-    assert [blk.block_id for blk in computed] == [0, 1] and num_hit == 8
+    assert [blk.block_id for blk in computed[0]] == [0, 1] and num_hit == 8
 
     # the next eviction takes block 1 (freed before 0), then 0
     d = make_request("d", [88] * 4)
@@ -123,11 +123,11 @@ def test_free_order_tail_first_and_eviction_order(kv):
     assert hashes[1] not in kv.pool.cached and hashes[0] in kv.pool.cached
     assert kv.pool.num_evictions == 2
     computed, num_hit = kv.get_computed_blocks(c)
-    assert [blk.block_id for blk in computed] == [0] and num_hit == 4
+    assert [blk.block_id for blk in computed[0]] == [0] and num_hit == 4
     e = make_request("e", [99] * 4)
     assert prefill(kv, e) == ([0], 0)
     assert kv.pool.cached.get(hashes[0]) is None
-    assert kv.get_computed_blocks(c) == ([], 0)
+    assert kv.get_computed_blocks(c) == (([],), 0)
 
     for r in (b, d, e):
         finish(kv, r)

@@ -30,7 +30,7 @@ def test_rejects_bad_block_size():
 def test_allocate_prefill_exact_ids(kv):
     req = make_request("a", list(range(12)))  # exactly 3 full blocks
     computed, num_hit = kv.get_computed_blocks(req)
-    assert computed == [] and num_hit == 0
+    assert computed == ([],) and num_hit == 0
     new = kv.allocate_slots(req, 12, computed)
     kv.check_integrity()
     assert [b.block_id for b in new] == [0, 1, 2]
@@ -108,7 +108,7 @@ def test_shared_prefix_hit_while_owner_runs(kv):
 
     b = make_request("b", common + [60, 61])
     computed, num_hit = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in computed] == [0, 1]
+    assert [blk.block_id for blk in computed[0]] == [0, 1]
     assert num_hit == 8
     # no reference taken yet
     assert refs(kv, [0, 1]) == [1, 1]
@@ -147,7 +147,7 @@ def test_shared_prefix_hit_after_owner_finished(kv):
 
     b = make_request("b", common + [60, 61, 62])
     computed, num_hit = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in computed] == [0, 1] and num_hit == 8
+    assert [blk.block_id for blk in computed[0]] == [0, 1] and num_hit == 8
     new = kv.allocate_slots(b, b.num_tokens - num_hit, computed)
     kv.check_integrity()
     # the hits come off the free queue with ref_cnt 1; the new block is the queue head
@@ -169,7 +169,7 @@ def test_computed_blocks_never_cover_last_token(kv):
     # the same 2-block prompt: only block 0 is a hit, the last token is recomputed
     b = make_request("b", toks)
     computed, num_hit = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in computed] == [0]
+    assert [blk.block_id for blk in computed[0]] == [0]
     assert num_hit == 4
     new = kv.allocate_slots(b, 4, computed)
     kv.check_integrity()
@@ -179,11 +179,11 @@ def test_computed_blocks_never_cover_last_token(kv):
     # one token more and both full blocks are hits
     c = make_request("c", toks + [99])
     computed, num_hit = kv.get_computed_blocks(c)
-    assert [blk.block_id for blk in computed] == [0, 1] and num_hit == 8
+    assert [blk.block_id for blk in computed[0]] == [0, 1] and num_hit == 8
 
     # a single-block prompt never hits
     d = make_request("d", toks[:4])
-    assert kv.get_computed_blocks(d) == ([], 0)
+    assert kv.get_computed_blocks(d) == (([],), 0)
 
     finish(kv, a)
     finish(kv, b)
@@ -225,7 +225,7 @@ def test_no_prefix_caching():
     assert kv.pool.cached == {}
     assert all(b.block_hash is None for b in kv.pool.blocks)
     b = make_request("b", toks)
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == (([],), 0)
     assert (kv.prefix_queries, kv.prefix_hits) == (0, 0)
     finish(kv, a)
     assert_no_leaks(kv)
@@ -238,13 +238,13 @@ def test_salt_isolation(kv):
     assert len(kv.pool.cached) == 2
 
     other_salt = make_request("b", toks, cache_salt="tenant-2")
-    assert kv.get_computed_blocks(other_salt) == ([], 0)
+    assert kv.get_computed_blocks(other_salt) == (([],), 0)
     no_salt = make_request("c", toks)
-    assert kv.get_computed_blocks(no_salt) == ([], 0)
+    assert kv.get_computed_blocks(no_salt) == (([],), 0)
 
     same_salt = make_request("d", toks, cache_salt="tenant-1")
     computed, num_hit = kv.get_computed_blocks(same_salt)
-    assert [blk.block_id for blk in computed] == [0, 1] and num_hit == 8
+    assert [blk.block_id for blk in computed[0]] == [0, 1] and num_hit == 8
     kv.record_prefix_lookup(same_salt.num_tokens, num_hit)
     assert kv.prefix_hits == 8
 
@@ -258,10 +258,10 @@ def test_salt_isolation(kv):
     prefill(kv, e)
     f = make_request("f", toks, cache_salt="tenant-1")
     computed, _ = kv.get_computed_blocks(f)
-    assert [blk.block_id for blk in computed] == [0, 1]  # tenant-1's freed blocks, not e's
+    assert [blk.block_id for blk in computed[0]] == [0, 1]  # tenant-1's freed blocks, not e's
     g = make_request("g", toks)
     computed, _ = kv.get_computed_blocks(g)
-    assert [blk.block_id for blk in computed] == kv.block_ids("e")[:2]
+    assert [blk.block_id for blk in computed[0]] == kv.block_ids("e")[:2]
     finish(kv, e)
     assert_no_leaks(kv)
 
@@ -307,7 +307,7 @@ def test_free_hits_count_against_room(kv):
     # 17 tokens: hits on the free blocks 0, 1 plus 3 new blocks; only 3 free in all
     b = make_request("b", common + list(range(100, 109)))
     computed, num_hit = kv.get_computed_blocks(b)
-    assert [blk.block_id for blk in computed] == [0, 1] and num_hit == 8
+    assert [blk.block_id for blk in computed[0]] == [0, 1] and num_hit == 8
     assert kv.num_blocks_needed(b, b.num_tokens - num_hit, computed) == 3
     snapshot = ([blk.ref_cnt for blk in kv.pool.blocks], free_ids(kv), dict(kv.pool.cached))
     assert kv.allocate_slots(b, b.num_tokens - num_hit, computed) is None

@@ -13,6 +13,10 @@ from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES
 
 GIB = 1 << 30
 DEFAULT_KV_CACHE_MEMORY = GIB  # 1 GiB when neither a budget nor a block count is given
+# the length limit of a request under the StreamingLLM policy (its cache stays flat). Window
+# keys are rotated at their text positions (attention/window.py), whose float32 rotary angles
+# err by ~position x 6e-8 rad: 0.06 rad at 2**20 tokens, as in any 1M-context checkpoint
+STREAMING_MAX_LEN = 1 << 20
 
 
 def _positive_int(name: str, value: object, allow_none: bool = False) -> None:
@@ -36,8 +40,22 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     k_cache_dtype: str | None = None
     v_cache_dtype: str | None = None
+    # StreamingLLM (lossy): every full-attention layer keeps only the first ``streaming_sinks``
+    # tokens and the last ``streaming_window``, gives the rest of its blocks back, and a
+    # request may run past the model's context in flat memory. None: off (exact).
+    streaming_window: int | None = None
+    streaming_sinks: int = 4
 
     def __post_init__(self) -> None:
+        _positive_int("streaming_window", self.streaming_window, allow_none=True)
+        if (
+            isinstance(self.streaming_sinks, bool)
+            or not isinstance(self.streaming_sinks, int)
+            or self.streaming_sinks < 0
+        ):
+            raise ValueError(
+                f"streaming_sinks must be an integer >= 0, got {self.streaming_sinks!r}"
+            )
         for name in ("kv_cache_dtype", "k_cache_dtype", "v_cache_dtype"):
             value = getattr(self, name)
             if value is not None and value not in CACHE_DTYPE_NAMES:
@@ -47,6 +65,13 @@ class CacheConfig:
         _positive_int("block_size", self.block_size)
         _positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _positive_int("num_blocks", self.num_blocks, allow_none=True)
+
+    @property
+    def streaming(self) -> tuple[int, int] | None:
+        """(sinks, window) when the StreamingLLM policy is on, else None."""
+        if self.streaming_window is None:
+            return None
+        return self.streaming_sinks, self.streaming_window
 
     @property
     def cache_dtypes(self) -> tuple[str, str]:

@@ -3,18 +3,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvserve.attention.backend import causal_attention
+from kvserve.attention.window import WindowRule, window_attention
 from kvserve.kv.storage import KVCacheStorage
 
 
 class DenseAttention:
     """Write this pass's K/V at positions [start, start + T) of block 0, attend over
-    positions [0, start + T). Positions past the fill pointer are stale and never read."""
+    positions [0, start + T). Positions past the fill pointer are stale and never read.
+    ``rules``: per layer, its window (attention/window.py) or None (full attention); a
+    windowed layer keeps every row here (the paged cache is the one that gives rows back)."""
 
-    def __init__(self, storage: KVCacheStorage, start: int, scale: float) -> None:
+    def __init__(
+        self,
+        storage: KVCacheStorage,
+        start: int,
+        scale: float,
+        rules: Sequence[WindowRule | None] = (),
+    ) -> None:
         self.storage, self.start, self.scale = storage, start, scale
+        self.rules = list(rules)
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -23,4 +35,8 @@ class DenseAttention:
         slots = torch.arange(self.start, end, device=q.device)  # block 0: slot = position
         self.storage.write(layer_idx, slots, k, v)
         k_all, v_all = self.storage.read_block(layer_idx, 0, end)  # (end, kv_heads, head_dim)
+        rule = self.rules[layer_idx] if self.rules else None
+        if rule is not None:
+            k_pos = torch.arange(end, device=q.device)
+            return window_attention(q, k_all, v_all, slots, k_pos, rule, self.scale)
         return causal_attention(q, k_all.transpose(0, 1), v_all.transpose(0, 1), self.scale)

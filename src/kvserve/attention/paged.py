@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import causal_attention
+from kvserve.attention.window import Rotary, WindowRule, window_attention
 from kvserve.intmath import cdiv
 from kvserve.kernels.paged_attention_ops import (
     decode_kernel_available,
@@ -56,10 +57,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) long, padded with 0 past each request's blocks
     num_decodes: int  # requests [0, num_decodes) have exactly one query token
     seq_lens_tensor: torch.Tensor  # (B,) long, same as seq_lens, on the device
+    # per cache group (kv/spec.py KVCacheSpec.groups): its slot mapping and block tables;
+    # None: one group, the two fields above
+    group_slot_mappings: list[torch.Tensor] | None = None
+    group_block_tables: list[torch.Tensor] | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens)
+
+    def for_group(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_mapping, block_tables) of one cache group."""
+        if self.group_slot_mappings is None or self.group_block_tables is None:
+            assert group == 0, f"metadata has one group, asked for group {group}"
+            return self.slot_mapping, self.block_tables
+        return self.group_slot_mappings[group], self.group_block_tables[group]
 
 
 def _attend_one(
@@ -73,7 +85,8 @@ def _attend_one(
     """Request i's queries (t, H, D) over its cached keys: causal, offset = seq_len - t."""
     lo, hi, n = md.query_start_loc[i], md.query_start_loc[i + 1], md.seq_lens[i]
     nb = cdiv(n, storage.spec.block_size)
-    k, v = storage.gather(layer_idx, md.block_tables[i : i + 1, :nb])  # (1, nb * bs, H, D)
+    tables = md.for_group(storage.group_of(layer_idx))[1]
+    k, v = storage.gather(layer_idx, tables[i : i + 1, :nb])  # (1, nb * bs, H, D)
     return causal_attention(q[lo:hi], k[0, :n].transpose(0, 1), v[0, :n].transpose(0, 1), scale)
 
 
@@ -124,10 +137,13 @@ class PagedAttention:
         metadata: AttentionMetadata,
         scale: float,
         use_kernel: bool | None = None,
+        rotary: Rotary | None = None,
     ) -> None:
         self.storage = storage
         self.md = metadata
         self.scale = scale
+        self.rotary = rotary  # the model's rotary embedding: attention sinks need it
+        self.rules = [WindowRule.of(layer) for layer in storage.spec.layers]
         if use_kernel is None:
             use_kernel = decode_kernel_available(storage.device)
         self.use_kernel = use_kernel
@@ -136,7 +152,13 @@ class PagedAttention:
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self.storage.write(layer_idx, self.md.slot_mapping, k, v)
+        slot_mapping, tables = self.md.for_group(self.storage.group_of(layer_idx))
+        self.storage.write(layer_idx, slot_mapping, k, v)
+        rule = self.rules[layer_idx]
+        if rule is not None:
+            return windowed_paged_attention(
+                self.storage, self.md, layer_idx, q, tables, rule, self.scale, self.rotary
+            )
         out = torch.empty_like(q)
         nd = self.md.num_decodes
         if nd:
@@ -150,7 +172,8 @@ class PagedAttention:
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Decode requests [0, B): q (B, heads, head_dim), one query each."""
         md, nd, st = self.md, q.shape[0], self.storage
-        tables, lens = md.block_tables[:nd], md.seq_lens_tensor[:nd]
+        tables = md.for_group(st.group_of(layer_idx))[1][:nd]
+        lens = md.seq_lens_tensor[:nd]
         if self.use_kernel:
             kp, vp = st.plane(layer_idx, "k"), st.plane(layer_idx, "v")
             if not (kp.dtype.is_quantized or vp.dtype.is_quantized) and kp.dtype == vp.dtype:
@@ -167,6 +190,39 @@ class PagedAttention:
                 self.isa,
             )
         return sdpa_decode(q, st, layer_idx, tables, md.seq_lens[:nd], lens, self.scale)
+
+
+def windowed_paged_attention(
+    storage: KVCacheStorage,
+    md: AttentionMetadata,
+    layer_idx: int,
+    q: torch.Tensor,
+    tables: torch.Tensor,
+    rule: WindowRule,
+    scale: float,
+    rotary: Rotary | None,
+) -> torch.Tensor:
+    """A windowed layer (attention/window.py), request by request: gather only the blocks
+    its queries can see (the sink blocks and those from the window's first on; the ones before
+    were given back and their table entries are never read), mask, attend."""
+    out = torch.empty_like(q)
+    bs = storage.spec.block_size
+    spec = storage.spec.layers[layer_idx]
+    dev = q.device
+    for i in range(md.num_reqs):
+        lo, hi, n = md.query_start_loc[i], md.query_start_loc[i + 1], md.seq_lens[i]
+        first = spec.first_needed_block(n - (hi - lo))
+        sinks = min(spec.sink_blocks, first)
+        ids = list(range(sinks)) + list(range(first, cdiv(n, bs)))
+        index = torch.tensor(ids, dtype=torch.long, device=dev)
+        k, v = storage.gather(layer_idx, tables[i : i + 1, index])  # (1, len(ids) * bs, ...)
+        k_pos = (index[:, None] * bs + torch.arange(bs, device=dev)[None, :]).flatten()
+        q_pos = torch.arange(n - (hi - lo), n, device=dev)
+        keep = k_pos < n  # the last block's slots past the sequence
+        out[lo:hi] = window_attention(
+            q[lo:hi], k[0][keep], v[0][keep], q_pos, k_pos[keep], rule, scale, rotary
+        )
+    return out
 
 
 def reference_paged_attention(

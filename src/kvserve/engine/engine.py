@@ -15,7 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvserve.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig
+from kvserve.config import (
+    DEFAULT_KV_CACHE_MEMORY,
+    STREAMING_MAX_LEN,
+    CacheConfig,
+    SchedulerConfig,
+)
 from kvserve.engine.compiled_steps import compile_model
 from kvserve.engine.faults import FaultInjector, StepRecord, contain_step_failure, fail_all
 from kvserve.engine.fused_decode import FusedDecode
@@ -73,7 +78,9 @@ class LLMEngine:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(eos_token_ids)
-        limit = model_config.max_model_len
+        streaming = cache_config.streaming
+        # StreamingLLM: a request may run past the model's context (its cache stays flat)
+        limit = STREAMING_MAX_LEN if streaming else model_config.max_model_len
         wanted = scheduler_config.max_model_len
         if wanted is not None and wanted > limit:
             raise ValueError(
@@ -85,6 +92,7 @@ class LLMEngine:
             CacheDtype.parse(k_name, model.dtype),
             CacheDtype.parse(v_name, model.dtype),
             cache_config.block_size,
+            streaming,
         )
         num_blocks = cache_config.num_blocks or self.spec.num_blocks_for(
             cache_config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
@@ -95,6 +103,7 @@ class LLMEngine:
             cache_config.block_size,
             cache_config.enable_prefix_caching,
             cache_config.enable_kv_cache_events,
+            [g.spec for g in self.spec.groups],
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
         self.limits = RequestLimits(
@@ -103,6 +112,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             block_size=cache_config.block_size,
             has_tokenizer=tokenizer is not None,
+            pool_tokens=self._pool_tokens(num_blocks),
         )
         self.compile_result = compile_model(model, enforce_eager)
         self.fused_decode = FusedDecode.build(model, self.storage)
@@ -124,6 +134,15 @@ class LLMEngine:
             self.spec.bytes_per_token,
             self.spec.describe(),
         )
+
+    def _pool_tokens(self, num_blocks: int) -> int:
+        """The longest request the pool can hold: every group windowed, any length (its
+        blocks stop growing) as long as its steady state fits."""
+        longest = self.spec.max_tokens_for(num_blocks)
+        if longest is not None:
+            return longest
+        steady = self.spec.max_blocks(self.max_model_len)
+        return self.max_model_len if steady <= num_blocks else num_blocks * self.spec.block_size
 
     @classmethod
     def from_session(

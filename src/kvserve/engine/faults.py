@@ -112,7 +112,7 @@ def contain_step_failure(
         return outputs + fail_all(engine, message)
     finals = {o.request_id for o in outputs if o.finished}
     try:
-        held = [b for r in in_step for b in list(engine.kv_manager.blocks_of(r.request_id))]
+        held = [b for r in in_step for b in engine.kv_manager.held_blocks(r.request_id)]
         for req in in_step:
             if not req.status.finished:
                 _finish_with_error(engine, req, record, message, outputs)

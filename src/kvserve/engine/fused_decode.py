@@ -95,6 +95,8 @@ class FusedDecode:
             return "not on CPU"
         if storage.kv is None:
             return f"the cache is not one float tensor ({storage.spec.describe()})"
+        if storage.spec.has_windows:
+            return f"windowed layers ({storage.spec.describe()}): the kernel attends everything"
         if not load_kernels():
             return "C++ kernels not loaded"
         if cfg.attention_bias or cfg.o_proj_bias or cfg.qk_norm:

@@ -37,6 +37,9 @@ class RequestLimits:
     num_blocks: int  # the KV pool: no request can outgrow it
     block_size: int
     has_tokenizer: bool
+    # the most tokens one request can hold in the pool, when not num_blocks x block_size
+    # (windowed layers give blocks back: kv/spec.py KVCacheSpec.max_tokens_for)
+    pool_tokens: int | None = None
 
     @classmethod
     def dense(cls, vocab_size: int, max_model_len: int, has_tokenizer: bool) -> RequestLimits:
@@ -45,6 +48,8 @@ class RequestLimits:
 
     @property
     def max_tokens_in_pool(self) -> int:
+        if self.pool_tokens is not None:
+            return self.pool_tokens
         return self.num_blocks * self.block_size
 
     @property

@@ -39,6 +39,8 @@ class LLM:
         kv_cache_dtype: str = _CACHE.kv_cache_dtype,
         k_cache_dtype: str | None = None,
         v_cache_dtype: str | None = None,
+        streaming_window: int | None = None,
+        streaming_sinks: int = _CACHE.streaming_sinks,
         max_num_seqs: int = _SCHED.max_num_seqs,
         max_num_batched_tokens: int = _SCHED.max_num_batched_tokens,
         max_model_len: int | None = None,
@@ -59,6 +61,8 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             k_cache_dtype=k_cache_dtype,
             v_cache_dtype=v_cache_dtype,
+            streaming_window=streaming_window,
+            streaming_sinks=streaming_sinks,
         )
         sched = SchedulerConfig(
             max_num_seqs,

@@ -5,6 +5,8 @@ Lays the step's tokens out flat, decodes (one query token) first so the attentio
 can batch them, computes each token's slot from its request's block table:
 
     slot = block_ids[pos // block_size] * block_size + pos % block_size
+
+per cache group (each has its own block table: kv/spec.py ``KVCacheSpec.groups``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class ModelRunner:
         self.block_size = storage.spec.block_size
         self.device = model.device
         self.faults = faults  # tests: make chosen model steps raise (engine/faults.py)
+        # attention sinks turn the query for their keys to its position within the cache
+        self.rotary = model.model.rotary_emb if storage.spec.has_sinks else None
 
     def build_metadata(
         self, order: list[ScheduledRequest], requests: dict[str, Request]
@@ -75,10 +79,6 @@ class ModelRunner:
             ids.extend(requests[s.request_id].all_token_ids[a:hi])  # one slice per request
             starts.append(len(ids))
         num_tokens = starts[-1]
-        width = max(len(s.block_ids) for s in order)
-        # one tensor from a padded list: no per-request tensor on the step's hot path
-        padded = [s.block_ids + [0] * (width - len(s.block_ids)) for s in order]
-        tables = torch.tensor(padded, dtype=torch.long, device=dev)  # (B, width)
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)  # (B,)
         shift = [a - q for a, q in zip(lo, starts[:-1], strict=True)]  # position - token index
         shift_t = torch.tensor(shift, dtype=torch.long, device=dev)  # (B,)
@@ -86,14 +86,24 @@ class ModelRunner:
             torch.arange(len(order), device=dev), lens_t, output_size=num_tokens
         )  # (T,): which request each token belongs to
         pos = torch.arange(num_tokens, device=dev) + shift_t[req_of]  # (T,)
-        slots = tables[req_of, pos // bs] * bs + pos % bs  # (T,)
+        tables, slots = [], []
+        for g in range(len(order[0].block_tables)):  # one table and slot mapping per group
+            width = max(len(s.block_tables[g]) for s in order)
+            # one tensor from a padded list: no per-request tensor on the step's hot path;
+            # entries a window gave back (-1) become 0: they are never read
+            padded = [s.block_tables[g] + [0] * (width - len(s.block_tables[g])) for s in order]
+            table = torch.tensor(padded, dtype=torch.long, device=dev).clamp_(min=0)
+            tables.append(table)  # (B, width)
+            slots.append(table[req_of, pos // bs] * bs + pos % bs)  # (T,)
         md = AttentionMetadata(
-            slot_mapping=slots,
+            slot_mapping=slots[0],
             query_start_loc=starts,
             seq_lens=seq_lens,
-            block_tables=tables,
+            block_tables=tables[0],
             num_decodes=sum(1 for n in lens if n == 1),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            group_slot_mappings=slots,
+            group_block_tables=tables,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, pos, md
@@ -119,7 +129,9 @@ class ModelRunner:
         if self.fused is not None and self.fused.fits(md):
             hidden = self.fused(input_ids, positions, md, self.storage)
         else:
-            attn = PagedAttention(self.storage, md, self.model.config.attention_scale)
+            attn = PagedAttention(
+                self.storage, md, self.model.config.attention_scale, rotary=self.rotary
+            )
             hidden = self.model(input_ids, positions, attn, self.steps)
         prompt = self._prompt_logprobs(order, requests, md.query_start_loc, hidden)
         rows = [i for i, s in enumerate(order) if s.samples]

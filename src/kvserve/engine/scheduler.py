@@ -33,8 +33,13 @@ class ScheduledRequest:
     request_id: str
     num_computed_tokens: int  # tokens already in the cache before this step
     num_new_tokens: int  # tokens this step computes
-    block_ids: list[int]  # the request's block table after allocation
+    block_tables: tuple[list[int], ...]  # per cache group, after allocation (-1: given back)
     samples: bool  # this step reaches the request's last token: sample from its logits
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's block table (a full-attention model's only one)."""
+        return self.block_tables[0]
 
 
 @dataclass(slots=True)
@@ -203,7 +208,7 @@ class Scheduler:
                         req.request_id,
                         req.num_computed_tokens,
                         n,
-                        self.kv.block_ids(req.request_id),
+                        self.kv.block_tables(req.request_id),
                         samples=req.num_computed_tokens + n == req.num_tokens,
                     )
                 )
@@ -294,9 +299,7 @@ class Scheduler:
         if cow and self.kv.pool.num_free_blocks < cow + self.kv.num_blocks_needed(req, n):
             return False
         if cow:
-            copy = self.kv.prepare_write(req)
-            if copy is not None:
-                out.block_copies.append(copy)
+            out.block_copies.extend(self.kv.prepare_write(req))
         return self.kv.allocate_slots(req, n) is not None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:

@@ -1,7 +1,7 @@
 """KV cache specs: what each layer caches per token, and so how big the cache is.
 
-The model declares its cache (``LlamaForCausalLM.kv_cache_spec``): one spec per layer. Every
-layer is full attention today, ``FullAttentionSpec``: per token, K and V for each KV head, each
+The model declares its cache (``LlamaForCausalLM.kv_cache_spec``): one spec per layer,
+``FullAttentionSpec`` or ``SlidingWindowSpec``: per token, K and V for each KV head, each
 side stored as its ``CacheDtype`` (a float dtype, or codes + scales):
 
     bytes per token of a layer = kv_heads x (K bytes per head + V bytes per head)
@@ -9,19 +9,22 @@ side stored as its ``CacheDtype`` (a float dtype, or codes + scales):
 Layers with equal specs form a ``KVCacheGroup``, which the storage allocates together (one
 tensor per side and kind of data); ``KVCacheSpec`` is the whole model's list. The capacity
 planner, the storage allocator and the engine's memory budget all ask these records, so the
-bytes a plan promises are the bytes the engine allocates. The sliding-window and latent (MLA)
-specs of later layouts slot in beside ``FullAttentionSpec`` with the same two properties.
+bytes a plan promises are the bytes the engine allocates. ``SlidingWindowSpec`` is a layer that
+sees only its last ``sliding_window`` tokens (and optionally the first ``num_sinks``): its
+group gives blocks back as the window passes them.
 
 No model code is imported here: the model builds its specs from its config.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from kvserve.intmath import cdiv
 from kvserve.kv.cache_dtype import CacheDtype
 
 
@@ -37,10 +40,9 @@ def _as_cache_dtype(d: CacheDtype | torch.dtype | str) -> CacheDtype:
 
 
 @dataclass(frozen=True, slots=True)
-class FullAttentionSpec:
-    """A layer that attends over every earlier token: K and V of each token, kept."""
+class _AttentionSpec:
+    """What a softmax-attention layer caches per token: K and V of each KV head."""
 
-    kind: ClassVar[str] = "full_attention"
     num_kv_heads: int
     head_dim: int
     k_dtype: CacheDtype
@@ -63,18 +65,110 @@ class FullAttentionSpec:
 
     @property
     def bytes_per_block(self) -> int:
+        """What one block id of the pool costs in the storage: every layer's block when there
+        is one group (or groups that cannot share tensors: each holds every id), one group's
+        layers when the groups share their tensors."""
+        groups = self.groups
+        if len(groups) > 1 and self.shares_tensors:
+            return len(groups[0].layers) * groups[0].spec.bytes_per_block
         return self.bytes_per_token * self.block_size
 
+    def max_blocks(self, num_tokens: int) -> int:
+        """Blocks of the pool one request of ``num_tokens`` tokens holds, over its groups (a
+        windowed group's count stops growing at its window)."""
+        return sum(g.spec.max_blocks(num_tokens) for g in self.groups)
+
+    def max_tokens_for(self, num_blocks: int) -> int | None:
+        """The longest request a pool of ``num_blocks`` can hold; None when every group is
+        windowed (blocks held stay flat however long it runs, if the window fits)."""
+        if all(g.spec.sliding_window is not None for g in self.groups):
+            return None
+        lo, hi = 0, num_blocks * self.block_size
+        while lo < hi:  # max_blocks is monotone in the token count
+            mid = (lo + hi + 1) // 2
+            if self.max_blocks(mid) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @property
+    def tensor_shape(self) -> tuple:
+        """What the storage allocates per layer (layers whose shapes agree can share tensors)."""
+        return (self.num_kv_heads, self.head_dim, self.k_dtype, self.v_dtype, self.block_size)
+
+    def _dtypes(self) -> str:
+        if self.k_dtype == self.v_dtype:
+            return self.k_dtype.name
+        return f"K {self.k_dtype.name}, V {self.v_dtype.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec(_AttentionSpec):
+    """A layer that attends over every earlier token: K and V of each token, kept."""
+
+    kind: ClassVar[str] = "full_attention"
+    sliding_window: ClassVar[None] = None
+    num_sinks: ClassVar[int] = 0
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """Blocks before this one are never read again by queries at >= ``num_computed``."""
+        return 0
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds in this layer's group."""
+        return cdiv(num_tokens, self.block_size)
+
     def describe(self) -> str:
-        dtypes = (
-            self.k_dtype.name
-            if self.k_dtype == self.v_dtype
-            else f"K {self.k_dtype.name}, V {self.v_dtype.name}"
+        return f"{self.kind} ({self.num_kv_heads} kv heads x {self.head_dim}, {self._dtypes()})"
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingWindowSpec(_AttentionSpec):
+    """A layer whose query at position q sees keys q - window < k <= q (HF's rule), plus
+    the first ``num_sinks`` tokens (StreamingLLM's attention sinks; 0 for a checkpoint's own
+    window). Blocks wholly before the window (and past the sinks) are given back while the
+    request runs, so a request holds at most sink blocks + ceil(window / block_size) + 1."""
+
+    kind: ClassVar[str] = "sliding_window"
+    sliding_window: int = field(default=0, kw_only=True)
+    num_sinks: int = field(default=0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _AttentionSpec.__post_init__(self)
+        _positive("sliding_window", self.sliding_window)
+        if isinstance(self.num_sinks, bool) or not isinstance(self.num_sinks, int):
+            raise ValueError(f"num_sinks must be an integer >= 0, got {self.num_sinks!r}")
+        if self.num_sinks < 0:
+            raise ValueError(f"num_sinks must be >= 0, got {self.num_sinks}")
+
+    @property
+    def sink_blocks(self) -> int:
+        """Leading blocks kept for the sinks (never given back)."""
+        return cdiv(self.num_sinks, self.block_size)
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """Queries at positions >= ``num_computed`` see keys > num_computed - window, so blocks
+        before the one holding key num_computed - window + 1 are never read again (sink blocks
+        aside: the caller keeps the first ``sink_blocks``)."""
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """Blocks held while decoding the token after ``num_tokens - 1`` tokens (at most the
+        sinks' blocks + ceil(window / block_size) + 1, however long the request)."""
+        held = cdiv(num_tokens, self.block_size)
+        skipped = max(0, self.first_needed_block(num_tokens - 1) - self.sink_blocks)
+        return held - skipped
+
+    def describe(self) -> str:
+        sinks = f" + {self.num_sinks} sinks" if self.num_sinks else ""
+        return (
+            f"{self.kind} {self.sliding_window}{sinks} ({self.num_kv_heads} kv heads x "
+            f"{self.head_dim}, {self._dtypes()})"
         )
-        return f"{self.kind} ({self.num_kv_heads} kv heads x {self.head_dim}, {dtypes})"
 
 
-LayerSpec = FullAttentionSpec  # the union of layer kinds, as they are added
+LayerSpec = FullAttentionSpec | SlidingWindowSpec  # the union of layer kinds
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +214,40 @@ class KVCacheSpec:
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...]:
-        """Layers grouped by equal spec, in order of each group's first layer."""
+        """Layers grouped by equal spec, in order of each group's first layer; each group has
+        its own block table per request.
+
+        When kinds differ (a hybrid of windowed and full layers) but every layer allocates the
+        same tensors, the kinds are cut into groups of one size (the gcd of their layer
+        counts), so that groups can share the storage's tensors: a block id from the one pool
+        then belongs to one group at a time and costs one group's layers, not all of them
+        (vLLM's hybrid allocator). E.g. 21 full + 7 windowed layers: 4 groups of 7.
+        """
         by_spec: dict[LayerSpec, list[int]] = {}
         for i, layer in enumerate(self.layers):
             by_spec.setdefault(layer, []).append(i)
+        if len(by_spec) > 1 and self.shares_tensors:
+            size = math.gcd(*(len(ids) for ids in by_spec.values()))
+            chunks = [
+                (spec, ids[lo : lo + size])
+                for spec, ids in by_spec.items()
+                for lo in range(0, len(ids), size)
+            ]
+            return tuple(KVCacheGroup(tuple(ids), spec) for spec, ids in chunks)
         return tuple(KVCacheGroup(tuple(ids), spec) for spec, ids in by_spec.items())
+
+    @property
+    def shares_tensors(self) -> bool:
+        """Whether all groups share one set of tensors (every layer allocates the same shape)."""
+        return len({layer.tensor_shape for layer in self.layers}) == 1
+
+    @property
+    def has_windows(self) -> bool:
+        return any(layer.sliding_window is not None for layer in self.layers)
+
+    @property
+    def has_sinks(self) -> bool:
+        return any(layer.num_sinks for layer in self.layers)
 
     @property
     def num_layers(self) -> int:
@@ -141,7 +264,32 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
+        """What one block id of the pool costs in the storage: every layer's block when there
+        is one group (or groups that cannot share tensors: each holds every id), one group's
+        layers when the groups share their tensors."""
+        groups = self.groups
+        if len(groups) > 1 and self.shares_tensors:
+            return len(groups[0].layers) * groups[0].spec.bytes_per_block
         return self.bytes_per_token * self.block_size
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """Blocks of the pool one request of ``num_tokens`` tokens holds, over its groups (a
+        windowed group's count stops growing at its window)."""
+        return sum(g.spec.max_blocks(num_tokens) for g in self.groups)
+
+    def max_tokens_for(self, num_blocks: int) -> int | None:
+        """The longest request a pool of ``num_blocks`` can hold; None when every group is
+        windowed (blocks held stay flat however long it runs, if the window fits)."""
+        if all(g.spec.sliding_window is not None for g in self.groups):
+            return None
+        lo, hi = 0, num_blocks * self.block_size
+        while lo < hi:  # max_blocks is monotone in the token count
+            mid = (lo + hi + 1) // 2
+            if self.max_blocks(mid) <= num_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def num_blocks_for(self, kv_cache_memory: int) -> int:
         """How many blocks a budget of ``kv_cache_memory`` bytes holds."""

@@ -56,8 +56,11 @@ class KVPlane:
 class _Group:
     """The tensors of one group of layers; ``block_dim[name]`` is each one's block axis."""
 
-    def __init__(self, spec, num_layers: int, num_blocks: int, device) -> None:
+    def __init__(self, spec, num_layers: int, num_blocks: int, device, share=None) -> None:
         self.spec = spec
+        if share is not None:  # a group of the same shape: the same tensors (kv/spec.py groups)
+            self.tensors = share.tensors
+            return
         lead = (num_layers, num_blocks, spec.block_size, spec.num_kv_heads)
         d = spec.head_dim
         self.tensors: dict[str, torch.Tensor] = {}
@@ -109,13 +112,21 @@ class KVCacheStorage:
         num_blocks: int,
         device: torch.device | str = "cpu",
         compute_dtype: torch.dtype | None = None,
+        share_tensors: bool = True,
     ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self.groups = [_Group(g.spec, len(g.layers), num_blocks, device) for g in spec.groups]
+        # groups of one shape share tensors (a block id of the one pool belongs to one group
+        # at a time); share_tensors=False gives each its own (a dense cache: one block each)
+        shared = share_tensors and spec.shares_tensors
+        self.groups: list[_Group] = []
+        for g in spec.groups:
+            share = self.groups[0] if self.groups and shared else None
+            self.groups.append(_Group(g.spec, len(g.layers), num_blocks, device, share))
+        self._owners = [g for i, g in enumerate(self.groups) if i == 0 or not shared]
         self._where: list[tuple[int, int]] = [(0, 0)] * spec.num_layers  # layer -> (group, index)
         for gi, g in enumerate(spec.groups):
             for index, layer in enumerate(g.layers):
@@ -128,7 +139,7 @@ class KVCacheStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for g in self.groups for t in g.tensors.values())
+        return sum(t.nbytes for g in self._owners for t in g.tensors.values())
 
     @property
     def kv(self) -> torch.Tensor | None:
@@ -194,13 +205,18 @@ class KVCacheStorage:
             return
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
-        for g in self.groups:
+        for g in self._owners:
             for name, t in g.tensors.items():
                 t.index_copy_(g.block_dim(name), d, t.index_select(g.block_dim(name), s))
 
+    def group_of(self, layer: int) -> int:
+        """The index of the group (kv/spec.py ``KVCacheSpec.groups``) layer ``layer`` is in:
+        whose block table and slot mapping its reads and writes use."""
+        return self._where[layer][0]
+
     def _named(self):
-        single = len(self.groups) == 1
-        for gi, g in enumerate(self.groups):
+        single = len(self._owners) == 1
+        for gi, g in enumerate(self._owners):
             for name, t in g.tensors.items():
                 yield (name if single else f"g{gi}.{name}"), g.block_dim(name), t
 

@@ -13,6 +13,7 @@ from typing import Any
 # model_type (HF) -> architecture family handled by models/llama.py. They differ only by flags.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,11 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2 always, Llama optional)
     o_proj_bias: bool = False  # bias on o_proj too (HF Llama / Qwen3 attention_bias=True)
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
-    sliding_window: int | None = None  # Mistral v0.1; we cap the context at it to stay exact
+    # the window of the "sliding_attention" layers (HF's rule: the query at q sees keys
+    # q - sliding_window < k <= q); ``layer_types`` says which layers slide ("full_attention"
+    # / "sliding_attention", transformers' spelling); empty: every layer full attention
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -91,6 +96,31 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            bad = set(self.layer_types) - set(LAYER_TYPES)
+            if bad:
+                raise ValueError(
+                    f"unsupported layer_types {sorted(bad)}; supported: {', '.join(LAYER_TYPES)}"
+                )
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("sliding_attention layers need sliding_window")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive integer, got {self.sliding_window!r}"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def attention_scale(self) -> float:
@@ -99,9 +129,8 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence we can run exactly (sliding-window models are capped at the window)."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The context the checkpoint was trained for (windowed layers included: they attend
+        their window at every position, as the checkpoint was trained)."""
         return self.max_position_embeddings
 
     @classmethod
@@ -123,11 +152,7 @@ class ModelConfig:
         if not rope_params:
             rope_params = dict(cfg.get("rope_scaling") or {})
         rope_scaling = _rope_from_dict(rope_params)
-        sliding = None
-        if model_type == "mistral":
-            sliding = cfg.get("sliding_window")
-        elif model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-            raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
+        sliding, layer_types = _sliding_layers(model_type, cfg)
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported (no supported checkpoint uses it)")
         # HF: Qwen2 always has q/k/v bias and no o_proj bias; Llama and Qwen3 put a bias on
@@ -153,6 +178,7 @@ class ModelConfig:
             o_proj_bias=flag,
             qk_norm=model_type == "qwen3",
             sliding_window=sliding,
+            layer_types=layer_types,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -192,12 +218,14 @@ class ModelConfig:
                 "llama3 (as a rope_freqs tensor)"
             )
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        window = key("attention.sliding_window")
+        layers = int(key("block_count"))
         return cls(
             model_type="llama" if arch == "llama" else arch,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -209,9 +237,38 @@ class ModelConfig:
             attention_bias="blk.0.attn_q.bias" in tensor_names,
             o_proj_bias="blk.0.attn_output.bias" in tensor_names,
             qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            # llama.cpp writes one window for the model: every layer slides (Mistral v0.1)
+            sliding_window=int(window) if window else None,
+            layer_types=("sliding_attention",) * layers if window else (),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (int(eos),),
         )
+
+
+def _sliding_layers(model_type: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers reads them: Mistral's ``sliding_window``
+    slides every layer; Qwen2/3's only with ``use_sliding_window``, the layers from
+    ``max_window_layers`` on; an explicit ``layer_types`` list wins. A "sliding_attention"
+    layer with no window is full attention (HF's attention reads ``sliding_window`` None)."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        window = None
+    if model_type not in ("mistral", "qwen2", "qwen3") and "layer_types" not in cfg:
+        window = None  # Llama and SmolLM configs may carry a sliding_window they never use
+    if window is None:
+        return None, ()
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        if model_type == "mistral":
+            types = ["sliding_attention"] * n
+        else:
+            first = cfg.get("max_window_layers", 0) or 0
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    types = tuple(types)
+    if "sliding_attention" not in types:
+        return None, ()
+    return int(window), types
 
 
 def _rope_from_dict(params: dict[str, Any]) -> RopeScaling:

@@ -16,7 +16,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.kv.cache_dtype import CacheDtype
-from kvserve.kv.spec import FullAttentionSpec, KVCacheSpec
+from kvserve.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -156,11 +156,12 @@ class LlamaForCausalLM(nn.Module):
         k_dtype: CacheDtype | None = None,
         v_dtype: CacheDtype | None = None,
         block_size: int = 16,
+        streaming: tuple[int, int] | None = None,
     ) -> KVCacheSpec:
         """The cache this model needs, one spec per layer (see ``kv_cache_spec``); K and V in
         the model's own dtype (the exact cache) unless given."""
         exact = CacheDtype.of(self.dtype)
-        return kv_cache_spec(self.config, k_dtype or exact, v_dtype or exact, block_size)
+        return kv_cache_spec(self.config, k_dtype or exact, v_dtype or exact, block_size, streaming)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits (matmul in the model dtype, as HF)."""
@@ -168,14 +169,28 @@ class LlamaForCausalLM(nn.Module):
 
 
 def kv_cache_spec(
-    config: ModelConfig, k_dtype: CacheDtype, v_dtype: CacheDtype, block_size: int = 16
+    config: ModelConfig,
+    k_dtype: CacheDtype,
+    v_dtype: CacheDtype,
+    block_size: int = 16,
+    streaming: tuple[int, int] | None = None,
 ) -> KVCacheSpec:
-    """Every layer of the Llama family is full attention over its KV heads. (Sliding-window
-    checkpoints are capped at their window today, so a full-attention cache is exact for them.)"""
-    layer = FullAttentionSpec(
-        config.num_key_value_heads, config.head_dim, k_dtype, v_dtype, block_size
-    )
-    return KVCacheSpec.uniform(config.num_hidden_layers, layer)
+    """One spec per layer: full attention over its KV heads, or the checkpoint's sliding
+    window (``ModelConfig.layer_window``). ``streaming`` = (sinks, window): the StreamingLLM
+    policy, every full-attention layer becomes a window of that many tokens plus the sinks
+    (lossy; the checkpoint's own windows stay as they are)."""
+    shape = (config.num_key_value_heads, config.head_dim, k_dtype, v_dtype, block_size)
+    layers: list[FullAttentionSpec | SlidingWindowSpec] = []
+    for i in range(config.num_hidden_layers):
+        window = config.layer_window(i)
+        if window is not None:
+            layers.append(SlidingWindowSpec(*shape, sliding_window=window))
+        elif streaming is not None:
+            sinks, width = streaming
+            layers.append(SlidingWindowSpec(*shape, sliding_window=width, num_sinks=sinks))
+        else:
+            layers.append(FullAttentionSpec(*shape))
+    return KVCacheSpec(tuple(layers))
 
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {

@@ -20,6 +20,7 @@ import torch
 
 from kvserve.attention.dense import DenseAttention
 from kvserve.attention.no_cache import NoCacheAttention
+from kvserve.attention.window import layer_rules
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.llama import LlamaForCausalLM
 
@@ -83,7 +84,10 @@ class NoCacheDecoder:
     def _forward_last(self) -> torch.Tensor:
         ids = _as_ids(self.tokens, self.model.device)
         positions = torch.arange(ids.numel(), device=self.model.device)
-        return self.model(ids, positions, NoCacheAttention(self.model.config.attention_scale))[-1:]
+        attn = NoCacheAttention(
+            self.model.config.attention_scale, layer_rules(self.model.kv_cache_spec())
+        )
+        return self.model(ids, positions, attn)[-1:]
 
 
 class DenseCacheDecoder:
@@ -103,7 +107,9 @@ class DenseCacheDecoder:
         # the lesson's preallocated buffer: one block of max_len positions, K and V in the
         # model's dtype (the exact cache), through the same storage the engine pages
         spec = model.kv_cache_spec(block_size=max_len)
-        self.storage = KVCacheStorage(spec, 1, model.device, model.dtype)
+        # one block: every group its own tensors (groups sharing tensors need distinct blocks)
+        self.storage = KVCacheStorage(spec, 1, model.device, model.dtype, share_tensors=False)
+        self.rules = layer_rules(spec)
         self.tokens: list[int] = []
         self.counters = DecodeCounters()
 
@@ -147,7 +153,7 @@ class DenseCacheDecoder:
         start = len(self.tokens)
         ids = _as_ids(new_tokens, self.model.device)
         positions = torch.arange(start, start + ids.numel(), device=self.model.device)
-        backend = DenseAttention(self.storage, start, self.model.config.attention_scale)
+        backend = DenseAttention(self.storage, start, self.model.config.attention_scale, self.rules)
         hidden = self.model(ids, positions, backend)
         self.tokens.extend(new_tokens)
         self.counters.kv_projections += len(new_tokens)

@@ -153,7 +153,8 @@ def build_kv_state(
             blocks[b.block_id] = cached
     requests: list[str] = []
     block_requests: dict[int, list[int]] = {}
-    for rid, table in manager.req_to_blocks.items():
+    for rid in manager.req_to_blocks:  # every group's tables have the same requests
+        table = manager.held_blocks(rid)  # all groups' blocks (none for window-passed entries)
         if not table:
             continue
         index = len(requests)
