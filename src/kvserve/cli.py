@@ -136,10 +136,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt_ids = session.encode_prompt(args.prompt, chat=args.chat)
     on_text = None if args.json else _write
+    if args.no_cache and args.streaming_window is not None:
+        print(
+            "error: --no-cache runs the exact model; --streaming-window is the engine's",
+            file=sys.stderr,
+        )
+        return 2
     if args.no_cache:
         r = generate_once(session, prompt_ids, params, no_cache=True, on_text=on_text)
         token_ids, text, finish, cached = r.token_ids, r.text, r.finish_reason, 0
         explanation = None  # no prefix cache on the no-cache path
+        dropped = None
         projections, ttft, total = r.kv_projections, r.ttft_s, r.ttft_s + r.decode_s
         logprobs = r.logprobs
     else:
@@ -161,6 +168,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         projections, ttft, total = out.kv_projections, out.ttft_s, out.ttft_s + out.decode_time_s
         logprobs = out.logprobs
         explanation = out.kv_cache
+        dropped = out.num_dropped_tokens
     if args.json:
         result = {
             "token_ids": token_ids,
@@ -178,6 +186,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             result["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in logprobs]
         if explanation is not None:
             result["kv_cache"] = cache_explain.as_dict(explanation, _decoder(session))
+        if dropped is not None:  # --streaming-window: tokens the policy dropped
+            result["num_dropped_tokens"] = dropped
         print(json.dumps(result))
     else:
         decode_rate = (len(token_ids) - 1) / (total - ttft) if total > ttft else 0.0

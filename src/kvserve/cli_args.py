@@ -87,6 +87,22 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
             help=f"{side.upper()} alone (overrides --kv-cache-dtype for {side.upper()})",
         )
     p.add_argument(
+        "--streaming-window",
+        type=int,
+        default=None,
+        metavar="W",
+        help="StreamingLLM (lossy): full-attention layers keep only the last W tokens and the "
+        "first --streaming-sinks, give the rest of their blocks back, and a request may run "
+        "past the model's context in flat memory; usage reports the tokens dropped",
+    )
+    p.add_argument(
+        "--streaming-sinks",
+        type=int,
+        default=_CACHE.streaming_sinks,
+        metavar="S",
+        help=f"attention sinks kept with --streaming-window (default {_CACHE.streaming_sinks})",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="run the model step eagerly (no torch.compile; starts faster, steps slower)",
@@ -173,6 +189,8 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         kv_cache_dtype=args.kv_cache_dtype,
         k_cache_dtype=args.k_cache_dtype,
         v_cache_dtype=args.v_cache_dtype,
+        streaming_window=args.streaming_window,
+        streaming_sinks=args.streaming_sinks,
     )
 
 
@@ -199,6 +217,11 @@ def make_llm(args: argparse.Namespace, session: ModelSession) -> LLM:
         num_kv_blocks=args.num_kv_blocks,
         block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
+        k_cache_dtype=args.k_cache_dtype,
+        v_cache_dtype=args.v_cache_dtype,
+        streaming_window=args.streaming_window,
+        streaming_sinks=args.streaming_sinks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

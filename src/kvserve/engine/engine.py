@@ -87,6 +87,7 @@ class LLMEngine:
                 f"max_model_len {wanted} exceeds the model's context of {limit} tokens"
             )
         self.max_model_len = wanted or limit
+        self.streaming_keep = None if streaming is None else sum(streaming)  # sinks + window
         k_name, v_name = cache_config.cache_dtypes
         self.spec = model.kv_cache_spec(
             CacheDtype.parse(k_name, model.dtype),
@@ -199,6 +200,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             priority=priority,
             explain_cache=explain_cache,
+            streaming_keep=self.streaming_keep,
             generator=make_generator(params.seed, self.runner.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
         )
@@ -218,6 +220,7 @@ class LLMEngine:
                 cache_salt=parent.cache_salt,
                 arrival_time=parent.arrival_time,
                 priority=parent.priority,
+                streaming_keep=parent.streaming_keep,
                 all_token_ids=list(parent.all_token_ids),
                 # sample i draws from seed + i: reproducible, and the same as a lone request
                 # with that seed

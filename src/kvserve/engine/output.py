@@ -105,6 +105,9 @@ def make_output(req: Request) -> RequestOutput | None:
         num_preemptions=req.num_preemptions,
         kv_projections=req.kv_projections,
         kv_cache=req.cache_explanation,
+        num_dropped_tokens=None
+        if req.streaming_keep is None
+        else max(0, req.num_tokens - req.streaming_keep),
         parent_request_id=req.parent_id,
         index=req.sample_index,
         error=req.error,

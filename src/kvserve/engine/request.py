@@ -56,6 +56,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
     kv_projections: int = 0  # tokens whose K/V this request computed (recomputation included)
+    # StreamingLLM policy (CacheConfig.streaming_window): sinks + window, the tokens its cache
+    # keeps for attention; None: nothing is ever dropped
+    streaming_keep: int | None = None
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     text: str = ""
@@ -141,3 +144,6 @@ class RequestOutput:
     prompt_token_ranks: list[int | None] | None = None  # rank of each prompt token (1 = best)
     # explain_cache requested: how much of the prompt the prefix cache served, and why not more
     kv_cache: CacheExplanation | None = None
+    # the StreamingLLM policy: tokens of the sequence no longer attended (between the sinks and
+    # the window; finish_reason is unchanged by it); None when the policy is off
+    num_dropped_tokens: int | None = None

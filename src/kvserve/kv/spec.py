@@ -65,32 +65,7 @@ class _AttentionSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        """What one block id of the pool costs in the storage: every layer's block when there
-        is one group (or groups that cannot share tensors: each holds every id), one group's
-        layers when the groups share their tensors."""
-        groups = self.groups
-        if len(groups) > 1 and self.shares_tensors:
-            return len(groups[0].layers) * groups[0].spec.bytes_per_block
         return self.bytes_per_token * self.block_size
-
-    def max_blocks(self, num_tokens: int) -> int:
-        """Blocks of the pool one request of ``num_tokens`` tokens holds, over its groups (a
-        windowed group's count stops growing at its window)."""
-        return sum(g.spec.max_blocks(num_tokens) for g in self.groups)
-
-    def max_tokens_for(self, num_blocks: int) -> int | None:
-        """The longest request a pool of ``num_blocks`` can hold; None when every group is
-        windowed (blocks held stay flat however long it runs, if the window fits)."""
-        if all(g.spec.sliding_window is not None for g in self.groups):
-            return None
-        lo, hi = 0, num_blocks * self.block_size
-        while lo < hi:  # max_blocks is monotone in the token count
-            mid = (lo + hi + 1) // 2
-            if self.max_blocks(mid) <= num_blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
     @property
     def tensor_shape(self) -> tuple:

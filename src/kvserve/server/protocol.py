@@ -132,6 +132,8 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # --streaming-window: tokens the StreamingLLM policy dropped from attention (absent: off)
+    kv_dropped_tokens: int | None = None
 
 
 class CompletionLogprobs(BaseModel):

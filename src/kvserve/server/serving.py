@@ -293,6 +293,8 @@ class EventStreamResponse(StreamingResponse):
 
 
 def usage(prompt_lens: Sequence[int], finals: Sequence[RequestOutput], cached: int) -> Usage:
+    """Under the StreamingLLM policy (outputs say what they dropped) ``kv_dropped_tokens``."""
+    dropped = [o.num_dropped_tokens for o in finals if o.num_dropped_tokens is not None]
     prompt = sum(prompt_lens)
     completion = sum(len(o.token_ids) for o in finals)
     return Usage(
@@ -300,6 +302,7 @@ def usage(prompt_lens: Sequence[int], finals: Sequence[RequestOutput], cached: i
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        kv_dropped_tokens=sum(dropped) if dropped else None,
     )
 
 
