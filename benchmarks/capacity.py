@@ -27,6 +27,7 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.manager import KVCacheManager
+from kvserve.models.config import ModelConfig
 from kvserve.models.gguf_checkpoint import find_gguf_file, read_gguf_config
 from kvserve.models.hf_checkpoint import read_hf_config
 from kvserve.models.llama import kv_cache_spec
@@ -55,7 +56,8 @@ class CapacityRow:
 def simulate(cfg, spec, memory: int, args, max_model_len: int, workload) -> CapacityRow:
     """The real Scheduler and KVCacheManager over the workload, a simulated model."""
     num_blocks = spec.num_blocks_for(memory)
-    kv = KVCacheManager(num_blocks, args.block_size, enable_prefix_caching=False)
+    groups = [g.spec for g in spec.groups]
+    kv = KVCacheManager(num_blocks, args.block_size, False, False, groups)
     sched = Scheduler(
         SchedulerConfig(
             args.max_num_seqs, max_num_batched_tokens=8192, max_model_len=max_model_len
@@ -94,7 +96,93 @@ def simulate(cfg, spec, memory: int, args, max_model_len: int, workload) -> Capa
     )
 
 
-def draw(path, title: str, rows: list[CapacityRow]) -> None:
+# Mistral-7B-v0.1's shape (32 layers, 8 KV heads x 128, every layer a 4096-token window) and
+# the same model with full attention: what one request holds as it grows (no weights needed)
+MISTRAL_7B = {
+    "model_type": "mistral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+}
+GROWTH_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass(frozen=True, slots=True)
+class GrowthRow:
+    model: str
+    spec: str
+    length: int  # tokens in the request
+    blocks: int  # blocks it holds (every group)
+    kv_bytes: int
+
+
+def growth(cfg, label: str, block_size: int, model_dtype) -> list[GrowthRow]:
+    """One request decoding to the longest length through the real Scheduler and
+    KVCacheManager: the blocks it holds as it passes each of GROWTH_LENGTHS."""
+    exact = CacheDtype.of(model_dtype)
+    spec = kv_cache_spec(cfg, exact, exact, block_size)
+    longest = max(GROWTH_LENGTHS)
+    num_blocks = spec.max_blocks(longest + 1) + 1
+    kv = KVCacheManager(num_blocks, block_size, False, False, [g.spec for g in spec.groups])
+    sched = Scheduler(SchedulerConfig(1, 8192, longest + 1), kv, longest + 1)
+    prompt = [1] * 16
+    # one token more than the longest mark: the step that computes token ``longest`` runs
+    params = SamplingParams(max_tokens=longest - 16 + 1, ignore_eos=True)
+    req = Request("grow", prompt, params)
+    sched.add_request(req)
+    rows, marks = [], list(GROWTH_LENGTHS)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update_after_step(out)
+        if marks and req.num_computed_tokens >= marks[0]:  # the step computed token marks[0]
+            blocks = len(kv.held_blocks(req.request_id))
+            rows.append(
+                GrowthRow(
+                    label, spec.describe(), marks.pop(0), blocks, blocks * spec.bytes_per_block
+                )
+            )
+        if out.scheduled and out.scheduled[0].samples:
+            status = append_token(req, 7, None, longest + 1)
+            if status is not None:
+                sched.finish(req, status)
+    return rows
+
+
+def growth_panel(grow: list[GrowthRow]) -> list:
+    if not grow:
+        return []
+    models = list(dict.fromkeys(r.model for r in grow))
+    series = {m: [r.blocks for r in grow if r.model == m] for m in models}
+    return [
+        plot.Lines(
+            list(GROWTH_LENGTHS),
+            series,
+            "tokens in the request",
+            "blocks held",
+            annotate={m: [str(v) for v in vals] for m, vals in series.items()},
+            title="one request growing: blocks held (windowed layers give theirs back)",
+            logx=True,
+        )
+    ]
+
+
+def print_growth(rows: list[GrowthRow]) -> None:
+    print()
+    print("one request growing (prompt 16 tokens, then decode): blocks held, all groups")
+    print("| model | cache | tokens | blocks held | KV bytes held |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.model} | {r.spec} | {r.length:,} | {r.blocks:,} | {r.kv_bytes / 2**20:,.1f} MiB |"
+        )
+
+
+def draw(path, title: str, rows: list[CapacityRow], grow: list[GrowthRow] = ()) -> None:
     base = rows[0]
     groups = [
         f"{r.cache_dtype}\n{r.bytes_per_token:,} B/token\n"
@@ -132,7 +220,8 @@ def draw(path, title: str, rows: list[CapacityRow]) -> None:
                 title="paged: empty slots (mean over steps)",
                 xlabel="cache dtype",
             ),
-        ],
+        ]
+        + growth_panel(grow),
     )
 
 
@@ -151,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's context")
+    ap.add_argument(
+        "--no-growth", action="store_true", help="skip the windowed-vs-full growth table"
+    )
     plot.add_plot_arg(ap)
     args = ap.parse_args(argv)
 
@@ -195,8 +287,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{r.median_running:.0f} | {r.mean_empty_slots:.2%} | {r.preemptions} "
             f"| {r.dense_requests} |"
         )
+    grow = []
+    if not args.no_growth:
+        windowed = ModelConfig.from_hf(MISTRAL_7B)
+        full = ModelConfig.from_hf({**MISTRAL_7B, "sliding_window": None})
+        hybrid = ModelConfig.from_hf(
+            {**MISTRAL_7B, "layer_types": ["sliding_attention", "full_attention"] * 16}
+        )
+        for cfg_g, label in (
+            (full, "Mistral-7B shape, full attention"),
+            (windowed, "Mistral-7B-v0.1 (every layer windowed)"),
+            (hybrid, "hybrid: every other layer windowed (Gemma 2's pattern)"),
+        ):
+            grow += growth(cfg_g, label, args.block_size, model_dtype)
+        print_growth(grow)
     if args.plot:
-        draw(args.plot, title, rows)
+        draw(args.plot, title, rows, grow)
 
 
 if __name__ == "__main__":

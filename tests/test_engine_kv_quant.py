@@ -12,7 +12,7 @@ from test_engine import assert_no_leaks, greedy, make_llm
 from test_paged_attention import build_step
 
 from kvserve.attention.paged import PagedAttention, reference_paged_attention
-from kvserve.eval_cache import CacheVariant, evaluate
+from kvserve.eval_cache import CacheVariant, evaluate, window_variants
 from kvserve.kernels.build import build_kernels
 from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.spec import KVCacheSpec
@@ -139,3 +139,19 @@ def test_eval_cache_on_a_tiny_model(session) -> None:
     assert i4.tokens_per_gib == (1 << 30) // spec.bytes_per_token
     assert exact.bytes_per_token == session.model.kv_cache_spec().bytes_per_token
     assert report.text_tokens == 150
+
+
+def test_eval_cache_window_rows(session) -> None:
+    """A window covering the whole text drops nothing (KL exactly 0: the same attention); a
+    short one, with or without sinks, costs something; both report what they keep."""
+    text = random_token_ids(150, seed=12)
+    variants = [
+        CacheVariant("wide", "auto", "auto", (4, 200)),
+        *window_variants([32], sinks=4),
+    ]
+    report = evaluate(session.model, text, variants, (), max_new_tokens=4, chunk=48)
+    _, wide, window, sinks = report.rows
+    assert wide.max_abs_logit_diff < 1e-4 and wide.kept_tokens == 204
+    assert window.variant == "window 32" and window.kept_tokens == 32
+    assert sinks.variant == "4 sinks + window 28" and sinks.kept_tokens == 32
+    assert window.mean_kl > 0.0 and sinks.mean_kl > 0.0

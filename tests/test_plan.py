@@ -153,3 +153,83 @@ def test_plan_text_costs_its_tokens(capsys: pytest.CaptureFixture, tmp_path: Pat
     assert got["clinical.txt"] > got["plain.txt"]
     code, out, _ = run_cli(capsys, "plan", "--text", str(plain), "--context", "8192")
     assert "tokens per word" in out and "of KV" in out
+
+
+# Mistral-7B-v0.1's config.json: every layer a 4096-token sliding window
+MISTRAL_7B_V01 = {
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "rope_theta": 10000.0,
+}
+
+
+def _windows(cfg: ModelConfig) -> tuple[int | None, ...]:
+    return tuple(cfg.layer_window(i) for i in range(cfg.num_hidden_layers))
+
+
+def test_mistral_7b_window_caps_the_request_by_hand() -> None:
+    cfg = ModelConfig.from_hf(MISTRAL_7B_V01)
+    inp = PlanInput(32, 8, 128, 80 * 2**30, 15 * GB, windows=_windows(cfg))
+    short, at_window, long = plan(inp, ["bfloat16"], [1000, 4096, 32768])
+    assert short.layout == "sliding 4096" and short.bytes_per_token == 131_072
+    assert short.bytes_per_request == 1000 * 131_072  # under the window: every token
+    # past the window a request keeps 4,096 tokens' rows, in 4096 / 16 blocks at whole blocks
+    # (one more between them: KVCacheSpec.max_blocks)
+    assert at_window.bytes_per_request == long.bytes_per_request == 4096 * 131_072
+    assert long.allocated_per_request == 256 * 16 * 131_072
+    assert long.requests == long.pool_blocks // 256
+    assert plan_row(inp, "bfloat16", 32769).requests == long.pool_blocks // 257
+    full = plan_row(PlanInput(32, 8, 128, 80 * 2**30, 15 * GB), "bfloat16", 32768)
+    assert full.requests == full.pool_blocks // 2048 and long.requests > 7 * full.requests
+
+
+def test_streaming_plan_rows_are_flat() -> None:
+    inp = PlanInput(30, 3, 64, 24 * 2**30, 0, block_size=16, streaming=(4, 1020))
+    rows = plan(inp, ["bfloat16"], [512, 2048, 65536])
+    assert rows[0].layout == "4 sinks + window 1020"
+    assert rows[0].bytes_per_request == 512 * 23_040
+    assert rows[1].bytes_per_request == rows[2].bytes_per_request == 1024 * 23_040
+    assert rows[1].requests == rows[2].requests
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"model_type": "mistral", "sliding_window": 8},
+        {
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ],
+    ids=["mistral", "hybrid"],
+)
+def test_windowed_planned_pool_is_what_the_engine_allocates(tmp_path: Path, overrides) -> None:
+    model_type = overrides.pop("model_type")
+    path, _ = make_hf_checkpoint(tmp_path, model_type, num_key_value_heads=2, **overrides)
+    session = ModelSession.open(path, "float32", "cpu")
+    cfg = session.config
+    inp = PlanInput(
+        cfg.num_hidden_layers,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        device_memory=3 * 2**20 + 12345,
+        weights_bytes=2**20,
+        block_size=4,
+        windows=_windows(cfg),
+    )
+    row = plan_row(inp, "float32", 100)
+    cache = CacheConfig(block_size=4, kv_cache_memory=row.kv_budget)
+    engine = LLMEngine.from_session(session, cache, enforce_eager=True)
+    assert engine.kv_manager.pool.num_blocks == row.pool_blocks > 0
+    assert engine.storage.nbytes == row.pool_blocks * engine.spec.bytes_per_block
+    assert engine.spec.max_blocks(100) * engine.spec.bytes_per_block == row.allocated_per_request

@@ -11,6 +11,8 @@ position, not only past the first chunk. Per variant:
     top-1 agreement   share of positions whose argmax is the exact cache's
     max |dlogit|      largest logit difference anywhere
     bytes per token   the spec's, exactly; tokens that fit in 1 GiB
+    kept              the StreamingLLM rows (``window_variants``): the tokens each query still
+                      sees (sinks + window), whatever the text's length
 
 Free-running: greedy generation from a few prompts (prefill, then one decode step at a time,
 through the engine's decode path, so the quantized decode kernel is what runs); the first
@@ -63,13 +65,29 @@ class CacheVariant:
     label: str
     k_dtype: str  # a CACHE_DTYPE_NAMES name; "auto" = the model's dtype
     v_dtype: str
+    streaming: tuple[int, int] | None = None  # (sinks, window): the StreamingLLM policy
 
     def spec(self, model: LlamaForCausalLM, block_size: int) -> KVCacheSpec:
         return model.kv_cache_spec(
             CacheDtype.parse(self.k_dtype, model.dtype),
             CacheDtype.parse(self.v_dtype, model.dtype),
             block_size,
+            self.streaming,
         )
+
+
+def window_variants(windows: Sequence[int], sinks: int) -> list[CacheVariant]:
+    """Per window size W: the window alone, and ``sinks`` sinks + a window of W - sinks (the
+    same number of cached tokens), both in the model's dtype."""
+    out = []
+    for w in windows:
+        if w <= sinks:
+            raise ValueError(f"a window of {w} tokens leaves no room beside {sinks} sinks")
+        out.append(CacheVariant(f"window {w}", "auto", "auto", (0, w)))
+        out.append(
+            CacheVariant(f"{sinks} sinks + window {w - sinks}", "auto", "auto", (sinks, w - sinks))
+        )
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +104,7 @@ class EvalRow:
     top1_agreement: float
     max_abs_logit_diff: float
     first_divergence: tuple[int | None, ...]  # per prompt: first differing generated position
+    kept_tokens: int | None = None  # sinks + window under the streaming policy; None: all
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -106,8 +125,12 @@ class _Sequence:
         self.model = model
         self.block_size = spec.block_size
         nb = cdiv(max_tokens, spec.block_size)
-        self.storage = KVCacheStorage(spec, nb, model.device, model.dtype)
+        # every group its own tensors, so every group's table can be 0 .. nb - 1 (windows are
+        # applied by the attention's masks; nothing is given back here)
+        self.storage = KVCacheStorage(spec, nb, model.device, model.dtype, share_tensors=False)
         self.table = torch.arange(nb, device=model.device)[None]  # (1, nb)
+        self.num_groups = len(spec.groups)
+        self.rotary = model.model.rotary_emb if spec.has_sinks else None
         self.length = 0
 
     @torch.inference_mode()
@@ -123,8 +146,12 @@ class _Sequence:
             block_tables=self.table,
             num_decodes=1 if t == 1 else 0,
             seq_lens_tensor=torch.tensor([total], device=ids.device),
+            group_slot_mappings=[positions] * self.num_groups,
+            group_block_tables=[self.table] * self.num_groups,
         )
-        attn = PagedAttention(self.storage, md, self.model.config.attention_scale)
+        attn = PagedAttention(
+            self.storage, md, self.model.config.attention_scale, rotary=self.rotary
+        )
         hidden = self.model(ids, positions, attn)
         self.length = total
         return self.model.compute_logits(hidden)
@@ -206,6 +233,7 @@ def _row(v, spec, ppl, ppl_exact, s: _Stats | None, positions: int, firsts) -> E
         top1_agreement=(s.agree / positions) if s is not None else 1.0,
         max_abs_logit_diff=s.max_diff if s is not None else 0.0,
         first_divergence=firsts,
+        kept_tokens=None if v.streaming is None else sum(v.streaming),
     )
 
 
@@ -230,14 +258,15 @@ def table(report: EvalReport) -> list[str]:
         f"teacher-forced over {report.text_tokens:,} tokens (chunks of {report.chunk}); greedy "
         f"{report.generated_tokens} tokens per prompt",
         "",
-        "| cache | bytes/token | tokens per GiB | perplexity | Δ ppl | mean KL | p99 KL "
+        "| cache | bytes/token | tokens per GiB | kept | perplexity | Δ ppl | mean KL | p99 KL "
         "| top-1 agree | max abs Δlogit | first greedy divergence |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report.rows:
         firsts = ", ".join("-" if f is None else str(f) for f in r.first_divergence) or "-"
         lines.append(
-            f"| {r.variant} | {r.bytes_per_token:,} | {r.tokens_per_gib:,} | {r.perplexity:.4f} "
+            f"| {r.variant} | {r.bytes_per_token:,} | {r.tokens_per_gib:,} "
+            f"| {'all' if r.kept_tokens is None else f'{r.kept_tokens:,}'} | {r.perplexity:.4f} "
             f"| {r.perplexity_delta_pct:+.3f}% | {r.mean_kl:.5f} | {r.p99_kl:.5f} "
             f"| {r.top1_agreement:.2%} | {r.max_abs_logit_diff:.3f} | {firsts} |"
         )

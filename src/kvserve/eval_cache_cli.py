@@ -14,6 +14,7 @@ from kvserve.eval_cache import (
     default_text,
     evaluate,
     table,
+    window_variants,
 )
 from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES
 
@@ -23,12 +24,23 @@ def add_eval_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", type=Path, default=None, help="a UTF-8 text (default: shipped prose)")
     p.add_argument(
         "--kv-cache-dtype",
-        nargs="+",
+        nargs="*",
         default=None,
         metavar="DTYPE",
         help="variants to compare with the exact cache: a dtype for K and V, or K/V apart as "
-        "int4/int8 (default: int8 int4 int4_sym fp8_e4m3 int4/int8 int8/int4)",
+        "int4/int8 (default: int8 int4 int4_sym fp8_e4m3 int4/int8 int8/int4; none: the flag "
+        "with no value)",
     )
+    p.add_argument(
+        "--window",
+        nargs="*",
+        type=int,
+        default=[256, 1024],
+        metavar="W",
+        help="StreamingLLM rows per size W: a window of W tokens alone, and --sinks sinks + a "
+        "window of W - sinks (default: 256 1024; none: --window with no value)",
+    )
+    p.add_argument("--sinks", type=int, default=4, help="attention sinks of the window rows")
     p.add_argument("--max-text-tokens", type=int, default=4096, help="cut the text here")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -56,6 +68,7 @@ def run_eval_cache(args: argparse.Namespace) -> int:
         variants = [CacheVariant(*v) for v in DEFAULT_VARIANTS[1:]]
     else:
         variants = [parse_variant(v) for v in args.kv_cache_dtype]
+    variants += window_variants(args.window, args.sinks)
     prompts = [session.encode_prompt(p, chat=False) for p in DEFAULT_PROMPTS]
     report = evaluate(
         session.model, ids, variants, prompts, args.max_new_tokens, args.chunk, args.block_size

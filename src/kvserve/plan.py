@@ -10,8 +10,9 @@ the plan says fits is what fits.
     pool_blocks = kv_budget // bytes_per_block                  (KVCacheSpec.num_blocks_for)
     requests    = pool_blocks // blocks per request at that context
 
-Full attention only today: sliding-window, sink and latent (MLA) layouts will add their own
-per-layer specs (issues 11 and 12) and rows here. No I/O: the CLI reads configs and sizes.
+Windowed layers (a checkpoint's own sliding windows, or the StreamingLLM policy's sinks +
+window) hold at most their window per request, in bytes and in blocks (``bytes_held`` /
+``max_blocks``), so their requests stop growing. No I/O: the CLI reads configs and sizes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from kvserve.config import GIB
-from kvserve.intmath import cdiv
 from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES, CacheDtype
-from kvserve.kv.spec import FullAttentionSpec, KVCacheSpec
+from kvserve.kv.spec import KVCacheSpec
 
 # public memory sizes of common devices (what the spec sheet's "GB" means: GiB of HBM/GDDR)
 DEVICE_PRESETS: dict[str, int] = {
@@ -46,8 +46,13 @@ class PlanInput:
     weights_bytes: int  # bytes the model's weights take on the device
     block_size: int = 16
     reserve: float = DEFAULT_RESERVE  # share of device memory kept for everything else
+    # per layer its sliding window, None for full attention (empty: every layer full)
+    windows: tuple[int | None, ...] = ()
+    streaming: tuple[int, int] | None = None  # (sinks, window): the StreamingLLM policy
 
     def __post_init__(self) -> None:
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ValueError(f"{len(self.windows)} layer windows for {self.num_layers} layers")
         if not 0 <= self.reserve < 1:
             raise ValueError(f"reserve must be in [0, 1), got {self.reserve}")
         if self.device_memory <= 0 or self.weights_bytes < 0:
@@ -58,10 +63,33 @@ class PlanInput:
 
     def spec(self, k_dtype: CacheDtype, v_dtype: CacheDtype) -> KVCacheSpec:
         """The spec the engine would allocate (``models.llama.kv_cache_spec`` for these dims)."""
-        layer = FullAttentionSpec(
-            self.num_kv_heads, self.head_dim, k_dtype, v_dtype, self.block_size
+        return KVCacheSpec.for_layers(
+            self.num_kv_heads,
+            self.head_dim,
+            k_dtype,
+            v_dtype,
+            self.block_size,
+            self.windows or (None,) * self.num_layers,
+            self.streaming,
         )
-        return KVCacheSpec.uniform(self.num_layers, layer)
+
+    @property
+    def layout(self) -> str:
+        """ "full", "sliding 4096", "hybrid: 16 sliding 4096 + 16 full", "4 sinks + window 1020"."""
+        windows = self.windows or (None,) * self.num_layers
+        sliding = [w for w in windows if w is not None]
+        full = len(windows) - len(sliding)
+        if self.streaming is not None and full:
+            sinks, w = self.streaming
+            return f"{sinks} sinks + window {w}" + (
+                f" ({len(sliding)} own windows)" if sliding else ""
+            )
+        if not sliding:
+            return "full"
+        own = "/".join(str(w) for w in sorted(set(sliding)))
+        return (
+            f"sliding {own}" if not full else f"hybrid: {len(sliding)} sliding {own} + {full} full"
+        )
 
     @property
     def kv_budget(self) -> int:
@@ -72,6 +100,7 @@ class PlanInput:
 class PlanRow:
     dtype: str
     context: int  # tokens per request
+    layout: str  # PlanInput.layout: full attention, windows, sinks
     bytes_per_token: int
     bytes_per_request: int  # the exact figure: context x bytes per token
     allocated_per_request: int  # whole blocks, as the pool hands them out
@@ -90,12 +119,14 @@ def plan_row(inp: PlanInput, dtype: str, context: int) -> PlanRow:
     spec = inp.spec(*parse_kv_dtypes(dtype))
     budget = inp.kv_budget
     blocks = spec.num_blocks_for(budget) if budget >= spec.bytes_per_block else 0
-    per_request_blocks = cdiv(context, spec.block_size)
+    # a windowed layer stops growing at its window: the pool's own count (KVCacheSpec)
+    per_request_blocks = spec.max_blocks(context)
     return PlanRow(
         dtype=dtype,
         context=context,
+        layout=inp.layout,
         bytes_per_token=spec.bytes_per_token,
-        bytes_per_request=context * spec.bytes_per_token,
+        bytes_per_request=spec.bytes_held(context),
         allocated_per_request=per_request_blocks * spec.bytes_per_block,
         kv_budget=budget,
         pool_blocks=blocks,
@@ -133,8 +164,8 @@ def text_cost(
         dtype=dtype,
         tokens=tokens,
         words=words,
-        kv_bytes=tokens * spec.bytes_per_token,
-        allocated_bytes=cdiv(tokens, spec.block_size) * spec.bytes_per_block,
+        kv_bytes=spec.bytes_held(tokens),
+        allocated_bytes=spec.max_blocks(tokens) * spec.bytes_per_block,
         context_share={c: tokens / c for c in contexts},
     )
 
@@ -165,12 +196,12 @@ def human(n: float) -> str:
 
 def table(rows: Sequence[PlanRow]) -> list[str]:
     lines = [
-        f"{'cache dtype':<19} {'context':>8} {'bytes/token':>12} {'per request':>24} "
-        f"{'pool tokens':>12} {'requests':>9}"
+        f"{'cache dtype':<19} {'layout':<24} {'context':>8} {'bytes/token':>12} "
+        f"{'per request':>24} {'pool tokens':>12} {'requests':>9}"
     ]
     for r in rows:
         lines.append(
-            f"{r.dtype:<19} {r.context:>8} {r.bytes_per_token:>12,} "
+            f"{r.dtype:<19} {r.layout:<24} {r.context:>8} {r.bytes_per_token:>12,} "
             f"{human(r.bytes_per_request):>24} {r.pool_tokens:>12,} {r.requests:>9,}"
         )
     return lines

@@ -43,6 +43,20 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         help=f"one row per cache dtype: {', '.join(CACHE_DTYPES)}, or K/V apart as int4/int8",
     )
     p.add_argument("--context", type=int, nargs="+", default=[2048, 8192, 32768])
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="with dims: every layer a sliding window of this many tokens (Mistral v0.1)",
+    )
+    p.add_argument(
+        "--streaming-window",
+        type=int,
+        default=None,
+        help="the StreamingLLM policy (as the engine's flag): full-attention layers keep the "
+        "last W tokens and the first --streaming-sinks",
+    )
+    p.add_argument("--streaming-sinks", type=int, default=4)
     p.add_argument("--block-size", type=int, default=16)
     dev = p.add_mutually_exclusive_group()
     dev.add_argument("--device-memory", default=None, help="e.g. 80GB (decimal) or 80GiB")
@@ -101,6 +115,7 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
             raise ValueError("give --layers, --kv-heads and --head-dim together, without --model")
         layers, kv_heads, head_dim = dims
         name, weights = f"{layers} layers x {kv_heads} KV heads x head dim {head_dim}", 0
+        windows = (args.sliding_window,) * layers if args.sliding_window else ()
     else:
         path = Path(args.model) if args.model else default_model_path()
         config, weights = _model_shape(path)
@@ -110,6 +125,11 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
             config.head_dim,
         )
         name = f"{path.name}: {layers} layers x {kv_heads} KV heads x head dim {head_dim}"
+        if args.sliding_window is not None:
+            raise ValueError("--sliding-window goes with dims; a model's config has its own")
+        windows = tuple(config.layer_window(i) for i in range(layers))
+        if all(w is None for w in windows):
+            windows = ()
     if args.weights_bytes is not None:
         weights = parse_memory(args.weights_bytes)
     if args.device_memory is not None:
@@ -118,7 +138,20 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
         memory = _machine_memory()
     else:
         memory = DEVICE_PRESETS[args.device]
-    inp = PlanInput(layers, kv_heads, head_dim, memory, weights, args.block_size, args.reserve)
+    streaming = None
+    if args.streaming_window is not None:
+        streaming = (args.streaming_sinks, args.streaming_window)
+    inp = PlanInput(
+        layers,
+        kv_heads,
+        head_dim,
+        memory,
+        weights,
+        args.block_size,
+        args.reserve,
+        windows,
+        streaming,
+    )
     return name, inp
 
 
@@ -158,7 +191,7 @@ def run_plan(args: argparse.Namespace) -> int:
     for line in table(rows):
         print(line)
     for r in rows:
-        if r.context % 1024 == 0:  # "8k": the lessons count k as 1,000 tokens
+        if r.context % 1024 == 0 and r.layout == "full":  # "8k": the lessons' 1,000 tokens
             k = r.context // 1024
             rounded = k * 1000 * r.bytes_per_token
             print(
@@ -185,4 +218,5 @@ def inp_dict(inp: PlanInput) -> dict[str, int | float]:
         "device_memory": inp.device_memory,
         "weights_bytes": inp.weights_bytes,
         "reserve": inp.reserve,
+        "layout": inp.layout,
     }

@@ -19,6 +19,7 @@ No model code is imported here: the model builds its specs from its config.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -186,6 +187,48 @@ class KVCacheSpec:
         k = _as_cache_dtype(dtype)
         v = k if v_dtype is None else _as_cache_dtype(v_dtype)
         return cls.uniform(num_layers, FullAttentionSpec(num_kv_heads, head_dim, k, v, block_size))
+
+    @classmethod
+    def for_layers(
+        cls,
+        num_kv_heads: int,
+        head_dim: int,
+        k_dtype: CacheDtype,
+        v_dtype: CacheDtype,
+        block_size: int,
+        windows: Sequence[int | None],
+        streaming: tuple[int, int] | None = None,
+    ) -> KVCacheSpec:
+        """One layer per entry of ``windows``: its sliding window, or None for full attention.
+        ``streaming`` = (sinks, window): the StreamingLLM policy, every full-attention layer a
+        window of that many tokens plus the sinks (lossy; the checkpoint's own windows stay)."""
+        shape = (num_kv_heads, head_dim, k_dtype, v_dtype, block_size)
+        layers: list[LayerSpec] = []
+        for window in windows:
+            if window is not None:
+                layers.append(SlidingWindowSpec(*shape, sliding_window=window))
+            elif streaming is not None:
+                sinks, width = streaming
+                layers.append(SlidingWindowSpec(*shape, sliding_window=width, num_sinks=sinks))
+            else:
+                layers.append(FullAttentionSpec(*shape))
+        return cls(tuple(layers))
+
+    def tokens_held(self, num_tokens: int) -> int:
+        """Token rows one request of ``num_tokens`` tokens keeps, summed over layers (a
+        windowed layer: its window and sinks at most): the exact bytes, before blocks, are
+        ``sum(layer.bytes_per_token x its rows)``."""
+        return sum(self._rows(layer, num_tokens) for layer in self.layers)
+
+    def bytes_held(self, num_tokens: int) -> int:
+        """The exact K/V bytes one request of ``num_tokens`` tokens keeps (before blocks)."""
+        return sum(layer.bytes_per_token * self._rows(layer, num_tokens) for layer in self.layers)
+
+    @staticmethod
+    def _rows(layer: LayerSpec, n: int) -> int:
+        if layer.sliding_window is None:
+            return n
+        return min(n, layer.sliding_window + layer.num_sinks)
 
     @property
     def groups(self) -> tuple[KVCacheGroup, ...]:

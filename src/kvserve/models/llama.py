@@ -16,7 +16,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.kv.cache_dtype import CacheDtype
-from kvserve.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.config import ModelConfig
 from kvserve.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
@@ -179,18 +179,16 @@ def kv_cache_spec(
     window (``ModelConfig.layer_window``). ``streaming`` = (sinks, window): the StreamingLLM
     policy, every full-attention layer becomes a window of that many tokens plus the sinks
     (lossy; the checkpoint's own windows stay as they are)."""
-    shape = (config.num_key_value_heads, config.head_dim, k_dtype, v_dtype, block_size)
-    layers: list[FullAttentionSpec | SlidingWindowSpec] = []
-    for i in range(config.num_hidden_layers):
-        window = config.layer_window(i)
-        if window is not None:
-            layers.append(SlidingWindowSpec(*shape, sliding_window=window))
-        elif streaming is not None:
-            sinks, width = streaming
-            layers.append(SlidingWindowSpec(*shape, sliding_window=width, num_sinks=sinks))
-        else:
-            layers.append(FullAttentionSpec(*shape))
-    return KVCacheSpec(tuple(layers))
+    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
+    return KVCacheSpec.for_layers(
+        config.num_key_value_heads,
+        config.head_dim,
+        k_dtype,
+        v_dtype,
+        block_size,
+        windows,
+        streaming,
+    )
 
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
