@@ -100,3 +100,24 @@ def test_exact_engine_reports_nothing_dropped(checkpoint):
     assert out.num_dropped_tokens is None
     with pytest.raises(ValueError, match="maximum context length is 64"):
         llm.generate([random_token_ids(8)], SamplingParams(max_tokens=100), use_tqdm=False)
+
+
+def test_streams_batched_match_the_reference(checkpoint):
+    """Decodes of different lengths share one windowed gather (attention/paged_window.py):
+    each stream still gives its own reference's greedy tokens."""
+    llm = LLM(
+        str(checkpoint),
+        dtype="float32",
+        num_kv_blocks=96,
+        block_size=BS,
+        streaming_window=WINDOW,
+        streaming_sinks=4,
+    )
+    prompts = [random_token_ids(n, seed=n) for n in (2, 5, 9, 17, 30, 41)]
+    params = SamplingParams(max_tokens=4 * WINDOW, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    model = llm.engine.runner.model
+    for prompt, out in zip(prompts, outs, strict=True):
+        want = streaming_logits(model, prompt + out.token_ids, 4, WINDOW)[len(prompt) - 1 : -1]
+        assert out.token_ids == want.argmax(-1).tolist()
+    assert llm.engine.kv_manager.pool.num_used_blocks == 0

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import causal_attention
-from kvserve.attention.window import Rotary, WindowRule, window_attention
+from kvserve.attention.paged_window import windowed_paged_attention
+from kvserve.attention.window import Rotary, WindowRule
 from kvserve.intmath import cdiv
 from kvserve.kernels.paged_attention_ops import (
     decode_kernel_available,
@@ -190,39 +191,6 @@ class PagedAttention:
                 self.isa,
             )
         return sdpa_decode(q, st, layer_idx, tables, md.seq_lens[:nd], lens, self.scale)
-
-
-def windowed_paged_attention(
-    storage: KVCacheStorage,
-    md: AttentionMetadata,
-    layer_idx: int,
-    q: torch.Tensor,
-    tables: torch.Tensor,
-    rule: WindowRule,
-    scale: float,
-    rotary: Rotary | None,
-) -> torch.Tensor:
-    """A windowed layer (attention/window.py), request by request: gather only the blocks
-    its queries can see (the sink blocks and those from the window's first on; the ones before
-    were given back and their table entries are never read), mask, attend."""
-    out = torch.empty_like(q)
-    bs = storage.spec.block_size
-    spec = storage.spec.layers[layer_idx]
-    dev = q.device
-    for i in range(md.num_reqs):
-        lo, hi, n = md.query_start_loc[i], md.query_start_loc[i + 1], md.seq_lens[i]
-        first = spec.first_needed_block(n - (hi - lo))
-        sinks = min(spec.sink_blocks, first)
-        ids = list(range(sinks)) + list(range(first, cdiv(n, bs)))
-        index = torch.tensor(ids, dtype=torch.long, device=dev)
-        k, v = storage.gather(layer_idx, tables[i : i + 1, index])  # (1, len(ids) * bs, ...)
-        k_pos = (index[:, None] * bs + torch.arange(bs, device=dev)[None, :]).flatten()
-        q_pos = torch.arange(n - (hi - lo), n, device=dev)
-        keep = k_pos < n  # the last block's slots past the sequence
-        out[lo:hi] = window_attention(
-            q[lo:hi], k[0][keep], v[0][keep], q_pos, k_pos[keep], rule, scale, rotary
-        )
-    return out
 
 
 def reference_paged_attention(
