@@ -147,8 +147,13 @@ def test_capacity_plot(tmp_path, monkeypatch, capsys):
     out = tmp_path / "capacity.png"
     capacity.main(["--num-requests", "32", "--kv-cache-dtype", "auto", "int8", "--plot", str(out)])
     printed = capsys.readouterr()
-    rows = [line for line in printed.out.splitlines() if line.startswith("| ")]
+    tables = printed.out.split("one request growing")
+    rows = [line for line in tables[0].splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 2 and rows[-1].startswith("| int8 |")  # header + one per dtype
+    # the growth table: 3 models x 6 lengths; the windowed one flat past its window
+    grow = [line.split(" | ") for line in tables[1].splitlines() if line.startswith("| M")]
+    windowed = [int(r[3].replace(",", "")) for r in grow if "every layer windowed" in r[0]]
+    assert windowed == [64, 128, 256, 256, 256, 256]
     assert f"plot: wrote {out}" in printed.err
     assert_png(out)
 

@@ -121,3 +121,15 @@ def test_streams_batched_match_the_reference(checkpoint):
         want = streaming_logits(model, prompt + out.token_ids, 4, WINDOW)[len(prompt) - 1 : -1]
         assert out.token_ids == want.argmax(-1).tolist()
     assert llm.engine.kv_manager.pool.num_used_blocks == 0
+
+
+def test_usage_reports_dropped_tokens_only_under_the_policy():
+    from types import SimpleNamespace
+
+    from kvserve.server.serving import usage
+
+    on = [SimpleNamespace(token_ids=[1] * 50, num_dropped_tokens=30)]
+    off = [SimpleNamespace(token_ids=[1] * 50, num_dropped_tokens=None)]
+    assert usage([10], on, 0).kv_dropped_tokens == 30
+    assert usage([10], off, 0).kv_dropped_tokens is None
+    assert "kv_dropped_tokens" not in usage([10], off, 0).model_dump()

@@ -90,14 +90,14 @@ def _decode_group(
     g = heads // kvh
     parted = (kp < rule.sinks) & (kp <= qp - rule.window)
     if not rule.sinks or not bool(parted.any()):
-        out = F.scaled_dot_product_attention(
-            q.view(b, kvh, g, d),
-            k.transpose(1, 2).to(q.dtype),
-            v.transpose(1, 2).to(q.dtype),
+        out = F.scaled_dot_product_attention(  # float32, as the decode kernels accumulate
+            q.view(b, kvh, g, d).float(),
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
             attn_mask=visible[:, None, None, :],
             scale=scale,
         )  # (b, kvh, g, D)
-        return out.reshape(b, heads, d)
+        return out.reshape(b, heads, d).to(q.dtype)
     assert rotary is not None, "attention sinks need the model's rotary embedding"
     cos, sin = rotary(rule.sink_delta(q_pos), torch.float32)  # (b, 1, D)
     qf = q.float()

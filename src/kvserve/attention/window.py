@@ -84,15 +84,19 @@ def window_attention(
         if not bool(parted.any()):
             parted = None
     if parted is None:
+        # the full-attention path's arithmetic, so that a window that drops nothing gives its
+        # numbers: prefill chunks in the model's dtype (causal_attention's SDPA), a decode in
+        # float32 (as the C++ decode kernels accumulate)
+        dt = torch.float32 if t == 1 else q.dtype
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None].to(q.dtype),
-            v.transpose(0, 1)[None].to(q.dtype),
+            q.transpose(0, 1)[None].to(dt),
+            k.transpose(0, 1)[None].to(dt),
+            v.transpose(0, 1)[None].to(dt),
             attn_mask=mask,
             scale=scale,
             enable_gqa=heads != kvh,
         )  # (1, heads, t, D)
-        return out[0].transpose(0, 1)
+        return out[0].transpose(0, 1).to(q.dtype)
     assert rotary is not None, "attention sinks need the model's rotary embedding"
     cos, sin = rotary(delta, torch.float32)  # (t, 1, D)
     qf = q.float()

@@ -132,8 +132,9 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-    # --streaming-window: tokens the StreamingLLM policy dropped from attention (absent: off)
-    kv_dropped_tokens: int | None = None
+    # --streaming-window: tokens the StreamingLLM policy dropped from attention (left out of the
+    # body when the policy is off)
+    kv_dropped_tokens: int | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionLogprobs(BaseModel):
