@@ -74,7 +74,76 @@ class FullAttentionSpec:
         return f"{self.kind} ({self.num_kv_heads} kv heads x {self.head_dim}, {dtypes})"
 
 
-LayerSpec = FullAttentionSpec  # the union of layer kinds, as they are added
+@dataclass(frozen=True, slots=True)
+class MLASpec:
+    """A multi-head latent attention layer (DeepSeek-V2/V3): one row per token, the
+    normalized latent (``kv_lora_rank``) and the rotated rope key (``qk_rope_head_dim``),
+    shared by every head (storage: kv/latent_storage.py).
+
+        bytes per token of a layer = (kv_lora_rank + qk_rope_head_dim) x bytes per element
+
+    ``num_heads``, ``qk_nope_head_dim``, ``v_head_dim`` only size the multi-head cache the same
+    model would need (``mha_equivalent_bytes_per_token``: heads x (nope + rope + v)), for
+    reports. A float dtype only today (a quantized latent is refused). ``k_dtype`` and
+    ``v_dtype`` both name ``dtype``, so code that asks a spec for its cache dtype works.
+    """
+
+    kind: ClassVar[str] = "mla"
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: CacheDtype
+    block_size: int = 16
+    num_heads: int = 1
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "block_size", "num_heads"):
+            _positive(name, getattr(self, name))
+        if not isinstance(self.dtype, CacheDtype):
+            raise TypeError(f"dtype must be CacheDtype, got {self.dtype!r}")
+        if self.dtype.is_quantized:
+            raise ValueError(
+                f"a quantized latent cache ({self.dtype.name}) is not supported; the MLA cache "
+                "is stored in a float dtype (float32, bfloat16, float16)"
+            )
+
+    @property
+    def k_dtype(self) -> CacheDtype:
+        return self.dtype
+
+    @property
+    def v_dtype(self) -> CacheDtype:
+        return self.dtype
+
+    @property
+    def width(self) -> int:
+        """Values per cached row: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.dtype.bytes_per_head(self.width)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def mha_equivalent_bytes_per_token(self) -> int:
+        """What a multi-head cache of K (nope + rope) and V per head would take, same dtype."""
+        per_head = self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim
+        return self.num_heads * self.dtype.bytes_per_head(per_head)
+
+    def describe(self) -> str:
+        return (
+            f"{self.kind} (latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}, "
+            f"{self.dtype.name}; {self.bytes_per_token:,} B/token/layer vs "
+            f"{self.mha_equivalent_bytes_per_token:,} as MHA)"
+        )
+
+
+LayerSpec = FullAttentionSpec | MLASpec  # the union of layer kinds, as they are added
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +211,15 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
+
+    @property
+    def mha_equivalent_bytes_per_token(self) -> int:
+        """Latent (MLA) layers counted as the multi-head cache they replace; the rest as they
+        are (equal to ``bytes_per_token`` for a model without MLA)."""
+        return sum(
+            getattr(layer, "mha_equivalent_bytes_per_token", layer.bytes_per_token)
+            for layer in self.layers
+        )
 
     def num_blocks_for(self, kv_cache_memory: int) -> int:
         """How many blocks a budget of ``kv_cache_memory`` bytes holds."""
