@@ -50,9 +50,7 @@ class MLAWeights:
         return self.w_uk.shape[2]
 
 
-def expand_latent(
-    rows: torch.Tensor, w: MLAWeights
-) -> tuple[torch.Tensor, torch.Tensor]:
+def expand_latent(rows: torch.Tensor, w: MLAWeights) -> tuple[torch.Tensor, torch.Tensor]:
     """rows (S, rank + rope) -> k (heads, S, nope + rope), v (heads, S, v_head_dim)."""
     c, k_pe = rows[:, : w.rank], rows[:, w.rank :]
     heads = w.w_uk.shape[0]
@@ -145,8 +143,9 @@ def mla_paged_decode(
         hi = min(q_abs.shape[0], lo + DECODE_GROUP)
         nb = cdiv(max(seq_lens[lo:hi]), block_size)
         rows = storage.gather_latent(layer_idx, block_tables[lo:hi, :nb])  # (b, S, W)
-        visible = torch.arange(rows.shape[1], device=rows.device)[None, :] < (
-            seq_lens_tensor[lo:hi, None]
+        visible = (
+            torch.arange(rows.shape[1], device=rows.device)[None, :]
+            < (seq_lens_tensor[lo:hi, None])
         )
         o[lo:hi] = absorbed_attention(q_abs[lo:hi], rows, visible, w.rank, scale).to(o.dtype)
     return unabsorb_output(o, w)

@@ -150,7 +150,9 @@ class PagedAttention:
 
     def mla(self, layer_idx, q_nope, q_pe, latent, weights) -> torch.Tensor:
         """Latent (MLA) layers: attention/mla.py ``paged_mla`` (decodes absorbed)."""
-        return paged_mla(self.storage, self.md, layer_idx, q_nope, q_pe, latent, weights, self.scale)
+        return paged_mla(
+            self.storage, self.md, layer_idx, q_nope, q_pe, latent, weights, self.scale
+        )
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Decode requests [0, B): q (B, heads, head_dim), one query each."""

@@ -164,7 +164,9 @@ class DeepseekConfig:
                     f"n_group ({self.n_group})"
                 )
             if not 0 < self.topk_group <= self.n_group:
-                raise ValueError(f"topk_group must be in [1, {self.n_group}], got {self.topk_group}")
+                raise ValueError(
+                    f"topk_group must be in [1, {self.n_group}], got {self.topk_group}"
+                )
 
     @property
     def qk_head_dim(self) -> int:

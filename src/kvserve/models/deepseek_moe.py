@@ -74,7 +74,9 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, config.moe_intermediate_size
         self.gate = DeepseekGate(config)
-        self.experts = nn.ModuleList(GatedMLP(hidden, inter) for _ in range(config.n_routed_experts))
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, inter) for _ in range(config.n_routed_experts)
+        )
         self.shared_experts = (
             GatedMLP(hidden, inter * config.n_shared_experts) if config.n_shared_experts else None
         )
