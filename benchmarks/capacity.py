@@ -11,9 +11,9 @@ come from KVCacheSpec, the same function the engine allocates with.
 
 One row per cache dtype (K/V apart as int4/int8): bytes per token, the pool's blocks and the
 requests held at once at the same memory. For a latent-attention model (DeepSeek-V2/V3; a
-checkpoint or a bare config.json as --model) two rows per float dtype: the MLA latent cache
-and the multi-head cache the same model would need (quantized dtypes are left out: the latent
-is kept in a float dtype).
+checkpoint or a bare config.json as --model) two rows per float dtype and fp8_e4m3: the MLA
+latent cache (fp8: the latent part, the rope key in --dtype) and the multi-head cache the same
+model would need in that dtype (other quantized dtypes are left out: no such latent).
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def specs_for(cfg, name: str, model_dtype, block_size: int) -> list[tuple[str, o
     k_dt, v_dt = CacheDtype.parse(k, model_dtype), CacheDtype.parse(v, model_dtype)
     if not isinstance(cfg, DeepseekConfig):
         return [(name, kv_cache_spec(cfg, k_dt, v_dt, block_size))]
-    if k_dt.is_quantized or k_dt != v_dt:
-        return []  # the latent is kept in a float dtype only (kv/spec.py MLASpec)
-    latent = deepseek_kv_cache_spec(cfg, k_dt, v_dt, block_size)
+    if k_dt != v_dt or (k_dt.is_quantized and k_dt.name != "fp8_e4m3"):
+        return []  # a latent is a float dtype or fp8_e4m3 (kv/spec.py MLASpec)
+    rope = CacheDtype.of(model_dtype)  # an fp8 latent's rope key: the model's dtype
+    latent = deepseek_kv_cache_spec(cfg, k_dt, v_dt, block_size, rope_dtype=rope)
     per_head = cfg.qk_head_dim + cfg.v_head_dim
     mha = KVCacheSpec.full_attention(
         cfg.num_hidden_layers, cfg.num_attention_heads, per_head // 2, k_dt, block_size

@@ -101,3 +101,16 @@ def test_latent_pool_is_sized_by_the_spec(session: ModelSession) -> None:
 def test_split_cache_dtypes_are_refused(session: ModelSession) -> None:
     with pytest.raises(ValueError, match="one latent row"):
         make_llm(session, k_cache_dtype="float32", v_cache_dtype="bfloat16")
+
+
+def test_fp8_latent_alone_batched_and_after_a_hit_agree(session: ModelSession) -> None:
+    """An fp8_e4m3 latent (rope key float32): lossy against the exact cache, but one engine
+    gives a prompt the same tokens alone, batched and from cached fp8 blocks."""
+    llm = make_llm(session, kv_cache_dtype="fp8_e4m3", max_num_seqs=8)
+    assert llm.engine.spec.bytes_per_token == 3 * (32 + 2 + 8 * 4)
+    prompts = prompts_of([9, 13, 22, 30], seed=500)
+    alone = [llm.generate([p], greedy(12), use_tqdm=False)[0].token_ids for p in prompts]
+    batched = llm.generate(prompts, greedy(12), use_tqdm=False)  # prompts now cached too
+    assert [o.token_ids for o in batched] == alone
+    assert [o.num_cached_tokens for o in batched] == [8, 12, 20, 28]
+    assert_no_leaks(llm)

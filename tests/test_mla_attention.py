@@ -121,6 +121,28 @@ def test_bytes_per_token_is_the_formula(rank, rope, heads, nope, v, latent, mha)
     )
 
 
-def test_quantized_latent_is_refused() -> None:
-    with pytest.raises(ValueError, match="quantized latent"):
+def test_only_an_fp8_latent_with_a_float_rope_is_accepted() -> None:
+    with pytest.raises(ValueError, match="latent cache cannot be int8"):
         MLASpec(RANK, ROPE, CacheDtype("int8"))
+    with pytest.raises(ValueError, match="needs a float rope_dtype"):
+        MLASpec(RANK, ROPE, CacheDtype("fp8_e4m3"))
+    # DeepSeek-V3: 512 fp8 codes + a float16 scale + 64 bfloat16 rope values
+    v3 = MLASpec(512, 64, CacheDtype("fp8_e4m3"), 16, 128, 128, 128, CacheDtype("bfloat16"))
+    assert v3.bytes_per_token == 512 + 2 + 128 == 642
+
+
+def test_fp8_latent_rows_round_trip_through_the_reference_quantizer() -> None:
+    fp8, f32 = CacheDtype("fp8_e4m3"), torch.float32
+    layer = MLASpec(RANK, ROPE, fp8, 4, HEADS, NOPE, V, CacheDtype("float32"))
+    st = KVCacheStorage(KVCacheSpec.uniform(1, layer), 8, "cpu", f32)
+    rows = rand(10, RANK + ROPE, seed=11)
+    slots = torch.tensor([4, 5, 6, 7, 20, 21, 22, 23, 8, 9])  # blocks 1, 5, 2
+    st.write_latent(0, slots, rows)
+    codes, scales, _ = fp8.quantize(rows[:, :RANK])
+    want = torch.cat((fp8.dequantize(codes, scales, None, RANK, f32), rows[:, RANK:]), -1)
+    got = st.gather_latent(0, torch.tensor([[1, 5, 2]]))[0, :10]
+    assert torch.equal(got, want)  # the rope key exact, the latent as the reference rounds it
+    assert torch.equal(st.read_latent_block(0, 2, 2), want[8:])
+    assert not torch.equal(want, rows)
+    assert st.nbytes == 8 * 4 * layer.bytes_per_token == 8 * 4 * (RANK + 2 + ROPE * 4)
+    assert sorted(st.read_blocks([1])) == ["latent.codes", "latent.rope", "latent.scales"]

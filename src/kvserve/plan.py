@@ -84,6 +84,8 @@ class PlanInput:
                 m.num_heads,
                 m.qk_nope_head_dim,
                 m.v_head_dim,
+                # an fp8 latent keeps its rope key in bfloat16 (the engine: the model's dtype)
+                rope_dtype=CacheDtype("bfloat16") if k_dtype.is_quantized else None,
             )
             return KVCacheSpec.uniform(self.num_layers, mla)
         layer = FullAttentionSpec(

@@ -84,8 +84,11 @@ class MLASpec:
 
     ``num_heads``, ``qk_nope_head_dim``, ``v_head_dim`` only size the multi-head cache the same
     model would need (``mha_equivalent_bytes_per_token``: heads x (nope + rope + v)), for
-    reports. A float dtype only today (a quantized latent is refused). ``k_dtype`` and
-    ``v_dtype`` both name ``dtype``, so code that asks a spec for its cache dtype works.
+    reports. ``dtype`` is a float dtype, or ``fp8_e4m3`` for the latent part only (one float16
+    scale per token) with the rope key kept in ``rope_dtype`` (a float dtype), as FlashMLA keeps
+    its rope part in full precision: rank + 2 + rope x 2 bytes with a bfloat16 rope
+    (DeepSeek-V3: 642). ``k_dtype`` and ``v_dtype`` both name ``dtype``, so code that asks a
+    spec for its cache dtype works.
     """
 
     kind: ClassVar[str] = "mla"
@@ -96,6 +99,7 @@ class MLASpec:
     num_heads: int = 1
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
+    rope_dtype: CacheDtype | None = None  # the rope key's float dtype when dtype is fp8
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_rope_head_dim", "block_size", "num_heads"):
@@ -103,10 +107,15 @@ class MLASpec:
         if not isinstance(self.dtype, CacheDtype):
             raise TypeError(f"dtype must be CacheDtype, got {self.dtype!r}")
         if self.dtype.is_quantized:
-            raise ValueError(
-                f"a quantized latent cache ({self.dtype.name}) is not supported; the MLA cache "
-                "is stored in a float dtype (float32, bfloat16, float16)"
-            )
+            if self.dtype.name != "fp8_e4m3":
+                raise ValueError(
+                    f"the latent cache cannot be {self.dtype.name}; the MLA cache is a "
+                    "float dtype (float32, bfloat16, float16) or fp8_e4m3"
+                )
+            if self.rope_dtype is None or self.rope_dtype.is_quantized:
+                raise ValueError("an fp8_e4m3 latent needs a float rope_dtype for the rope key")
+        elif self.rope_dtype is not None and self.rope_dtype != self.dtype:
+            raise ValueError("rope_dtype differs from dtype only for an fp8_e4m3 latent")
 
     @property
     def k_dtype(self) -> CacheDtype:
@@ -123,6 +132,10 @@ class MLASpec:
 
     @property
     def bytes_per_token(self) -> int:
+        if self.dtype.is_quantized:  # fp8 codes + scale, the rope key in its float dtype
+            assert self.rope_dtype is not None
+            rope = self.rope_dtype.bytes_per_head(self.qk_rope_head_dim)
+            return self.dtype.bytes_per_head(self.kv_lora_rank) + rope
         return self.dtype.bytes_per_head(self.width)
 
     @property
@@ -136,9 +149,10 @@ class MLASpec:
         return self.num_heads * self.dtype.bytes_per_head(per_head)
 
     def describe(self) -> str:
+        rope = "" if self.rope_dtype in (None, self.dtype) else f", rope {self.rope_dtype.name}"
         return (
             f"{self.kind} (latent {self.kv_lora_rank} + rope {self.qk_rope_head_dim}, "
-            f"{self.dtype.name}; {self.bytes_per_token:,} B/token/layer vs "
+            f"{self.dtype.name}{rope}; {self.bytes_per_token:,} B/token/layer vs "
             f"{self.mha_equivalent_bytes_per_token:,} as MHA)"
         )
 

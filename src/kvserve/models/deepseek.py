@@ -167,17 +167,26 @@ class DeepseekForCausalLM(nn.Module):
         block_size: int = 16,
     ) -> KVCacheSpec:
         """Every layer caches one latent row per token (``MLASpec``), in the model's dtype
-        unless given. K and V are not stored apart, so a K/V pair of dtypes must be equal."""
+        unless given (fp8_e4m3: the latent part only, the rope key in the model's dtype). K and
+        V are not stored apart, so a K/V pair of dtypes must be equal."""
         exact = CacheDtype.of(self.dtype)
-        return deepseek_kv_cache_spec(self.config, k_dtype or exact, v_dtype or exact, block_size)
+        return deepseek_kv_cache_spec(
+            self.config, k_dtype or exact, v_dtype or exact, block_size, rope_dtype=exact
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
 
 def deepseek_kv_cache_spec(
-    config: DeepseekConfig, k_dtype: CacheDtype, v_dtype: CacheDtype, block_size: int = 16
+    config: DeepseekConfig,
+    k_dtype: CacheDtype,
+    v_dtype: CacheDtype,
+    block_size: int = 16,
+    rope_dtype: CacheDtype | None = None,
 ) -> KVCacheSpec:
+    """``rope_dtype``: where the latent is fp8_e4m3, the float dtype of the rope key (the
+    model's; default bfloat16)."""
     if k_dtype != v_dtype:
         raise ValueError(
             f"an MLA cache holds one latent row per token, not K and V apart: give one cache "
@@ -191,6 +200,7 @@ def deepseek_kv_cache_spec(
         num_heads=config.num_attention_heads,
         qk_nope_head_dim=config.qk_nope_head_dim,
         v_head_dim=config.v_head_dim,
+        rope_dtype=(rope_dtype or CacheDtype("bfloat16")) if k_dtype.is_quantized else None,
     )
     return KVCacheSpec.uniform(config.num_hidden_layers, layer)
 
