@@ -163,6 +163,11 @@ class DeepseekConfig:
                     f"n_routed_experts ({self.n_routed_experts}) must be a multiple of "
                     f"n_group ({self.n_group})"
                 )
+            if self.scoring_func == "sigmoid" and self.n_routed_experts // self.n_group < 2:
+                raise ValueError(
+                    f"the V3 router ranks each group by its two best experts: n_routed_experts "
+                    f"({self.n_routed_experts}) / n_group ({self.n_group}) must be >= 2"
+                )
             if not 0 < self.topk_group <= self.n_group:
                 raise ValueError(
                     f"topk_group must be in [1, {self.n_group}], got {self.topk_group}"
