@@ -135,7 +135,9 @@ def test_float32_matches_transformers(tmp_path: Path, model_type: str, overrides
 
 
 def test_router_stays_float32_in_bfloat16(tmp_path: Path):
-    ckpt, _ = make_deepseek_checkpoint(tmp_path, "deepseek_v3", **MLA, **MOE, n_group=1)
+    ckpt, _ = make_deepseek_checkpoint(
+        tmp_path, "deepseek_v3", **MLA, **MOE, n_group=1, topk_group=1
+    )
     model = load_model(ckpt, dtype="bfloat16").model
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32
