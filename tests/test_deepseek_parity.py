@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 (MLA + MoE) against transformers on tiny random checkpoints.
+"""DeepSeek-V2 / V3 (MLA + MoE) and MiniCPM3 against transformers on tiny random checkpoints.
 
 Each case saves a tiny DeepseekV2/V3 model with ``save_pretrained`` (per-expert weights, the
 hub layout), loads it with kvserve and compares: float32 logits of a 64-token sequence, and 32
@@ -45,6 +45,21 @@ YARN = {
     "mscale_all_dim": 1.0,
 }
 
+MINICPM3 = {
+    **MLA,
+    "q_lora_rank": 48,
+    "scale_emb": 12,
+    "scale_depth": 1.4,
+    "dim_model_base": 16,  # logits scaling 64 / 16 = 4
+}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.3, 2.1, 3.7],
+    "long_factor": [1.5, 2.0, 4.0, 8.0],
+    "original_max_position_embeddings": 256,
+}
+
 CASES = [
     pytest.param("deepseek_v2", {**MLA, "first_k_dense_replace": 3}, id="v2-dense"),
     pytest.param(
@@ -73,6 +88,12 @@ CASES = [
         "deepseek_v3",
         {**MLA, **MOE, "n_group": 2, "topk_group": 1, "rope_interleave": False},
         id="v3-groups-rotate-half",
+    ),
+    pytest.param("minicpm3", MINICPM3, id="minicpm3"),
+    pytest.param(
+        "minicpm3",
+        {**MINICPM3, "rope_parameters": LONGROPE, "tie_word_embeddings": True},
+        id="minicpm3-longrope-tied",
     ),
 ]
 
@@ -162,4 +183,13 @@ def test_moe_layer_freq_other_than_one_is_refused():
     cfg = make_hf_model("deepseek_v2", **MLA, num_hidden_layers=1).config.to_dict()
     cfg["moe_layer_freq"] = 2
     with pytest.raises(ValueError, match="moe_layer_freq"):
+        DeepseekConfig.from_hf(cfg)
+
+
+def test_longrope_past_the_original_length_is_refused():
+    from kvserve.models.deepseek_config import DeepseekConfig
+
+    cfg = make_hf_model("minicpm3", **MINICPM3, num_hidden_layers=1).config.to_dict()
+    cfg["rope_parameters"] = {**LONGROPE, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="longrope past original_max_position_embeddings"):
         DeepseekConfig.from_hf(cfg)

@@ -1,4 +1,5 @@
-"""The DeepSeek-V2 / V3 family: multi-head latent attention (MLA) and mixture-of-experts.
+"""The DeepSeek-V2 / V3 family (and MiniCPM3): multi-head latent attention (MLA) and
+mixture-of-experts.
 
 Per token and layer, attention caches one row: the normalized latent ``c_kv``
 (``kv_lora_rank`` values) and the rotated rope key (``qk_rope_head_dim``), not K and V per
@@ -93,14 +94,17 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DeepseekAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_scale = config.residual_scale  # MiniCPM3's scale_depth / sqrt(layers)
         if config.is_moe_layer(layer_idx):
             self.mlp: nn.Module = DeepseekMoE(config)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        x = x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
+        h = self.mlp(self.post_attention_layernorm(x))
+        return x + (h if self.residual_scale == 1.0 else h * self.residual_scale)
 
 
 class DeepseekModel(nn.Module):
@@ -155,6 +159,8 @@ class DeepseekForCausalLM(nn.Module):
         """input_ids, positions: (T,) -> final hidden states (T, hidden). ``steps`` is
         accepted for the runner's call and ignored: these layers always run eager."""
         x = self.model.embed_tokens(input_ids)
+        if self.config.scale_emb != 1.0:  # MiniCPM3 (HF: the scale cast to the weights' dtype)
+            x = x * torch.tensor(self.config.scale_emb, dtype=x.dtype)
         cos, sin = self.model.rotary_emb(positions)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
@@ -175,6 +181,8 @@ class DeepseekForCausalLM(nn.Module):
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.config.logits_scaling != 1.0:  # MiniCPM3: hidden / (hidden / dim_model_base)
+            hidden = hidden / self.config.logits_scaling
         return self.lm_head(hidden).float()
 
 
@@ -208,4 +216,5 @@ def deepseek_kv_cache_spec(
 DEEPSEEK_REGISTRY: dict[str, type[nn.Module]] = {
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
+    "minicpm3": DeepseekForCausalLM,  # DeepSeek-V2 attention, dense MLPs, config scalings
 }

@@ -1,4 +1,5 @@
-"""DeepseekConfig: the DeepSeek-V2 / V3 family's record (multi-head latent attention + MoE).
+"""DeepseekConfig: the DeepSeek-V2 / V3 family's record (multi-head latent attention + MoE),
+and MiniCPM3 (the same attention, dense MLPs, rotate-half rope, three scalings).
 
 Built from a Hugging Face ``config.json`` dict (``from_hf``, transformers 4 and 5 spellings)
 or GGUF metadata (``from_gguf``, llama.cpp's ``deepseek2`` keys). Field names follow
@@ -25,8 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-DEEPSEEK_ROPE_TYPES = ("default", "linear", "yarn")
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "minicpm3")
+DEEPSEEK_ROPE_TYPES = ("default", "linear", "yarn", "longrope")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -49,6 +50,7 @@ class DeepseekRope:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None  # None: from factor / mscale / mscale_all_dim
     truncate: bool = True
+    short_factor: tuple[float, ...] | None = None  # longrope (MiniCPM3): per-frequency divisors
 
     def __post_init__(self) -> None:
         if self.rope_type not in DEEPSEEK_ROPE_TYPES:
@@ -58,12 +60,24 @@ class DeepseekRope:
             )
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
-        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
-            raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+        if self.rope_type in ("yarn", "longrope") and self.original_max_position_embeddings is None:
+            raise ValueError(
+                f"{self.rope_type} rope scaling needs original_max_position_embeddings"
+            )
+        if self.rope_type == "longrope" and not self.short_factor:
+            raise ValueError("longrope rope scaling needs short_factor")
 
     @property
     def cos_sin_factor(self) -> float:
         """What cos and sin are multiplied by (HF's ``attention_scaling`` of the rotary)."""
+        if self.rope_type == "longrope":
+            if self.attention_factor is not None:
+                return self.attention_factor
+            if self.factor <= 1.0:
+                return 1.0
+            original = self.original_max_position_embeddings
+            assert original is not None
+            return math.sqrt(1 + math.log(self.factor) / math.log(original))
         if self.rope_type != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -120,6 +134,11 @@ class DeepseekConfig:
     norm_topk_prob: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # MiniCPM3: embeddings x scale_emb, each residual branch x scale_depth / sqrt(layers), the
+    # final hidden / (hidden_size / dim_model_base) before lm_head; 1.0 for DeepSeek
+    scale_emb: float = 1.0
+    residual_scale: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.model_type not in DEEPSEEK_MODEL_TYPES:
@@ -142,6 +161,18 @@ class DeepseekConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        rope = self.rope
+        if rope.rope_type == "longrope":
+            # HF switches to long_factor once a sequence passes the original length: per
+            # sequence, so cached keys would have been rotated with the other factors
+            if self.max_position_embeddings > (rope.original_max_position_embeddings or 0):
+                raise ValueError(
+                    "longrope past original_max_position_embeddings (long_factor, chosen per "
+                    "sequence length) is not supported; max_position_embeddings must be <= "
+                    f"{rope.original_max_position_embeddings}"
+                )
+            if len(rope.short_factor or ()) != self.qk_rope_head_dim // 2:
+                raise ValueError(f"short_factor needs {self.qk_rope_head_dim // 2} values")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
@@ -209,6 +240,8 @@ class DeepseekConfig:
             raise ValueError(f"hidden_act must be silu, got {cfg.get('hidden_act')!r}")
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported (no DeepSeek checkpoint uses it)")
+        if model_type == "minicpm3":
+            return _minicpm3_from_hf(cls, cfg)
         if cfg.get("moe_layer_freq", 1) != 1:
             raise ValueError(
                 f"moe_layer_freq={cfg['moe_layer_freq']} is not supported: transformers ignores "
@@ -259,6 +292,44 @@ class DeepseekConfig:
         )
 
 
+def _minicpm3_from_hf(cls, cfg: dict[str, Any]) -> DeepseekConfig:
+    """MiniCPM3: DeepSeek-V2's attention (rotate-half rope), dense MLPs, three scalings."""
+    hidden, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
+    rope_params = dict(cfg.get("rope_parameters") or {})
+    rope_theta = float(rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if not rope_params:
+        rope_params = dict(cfg.get("rope_scaling") or {})
+    scale_depth = cfg.get("scale_depth", 1.4)
+    scale_depth = math.sqrt(layers) if scale_depth is None else float(scale_depth)
+    base = cfg.get("dim_model_base", 256) or hidden
+    eos = cfg.get("eos_token_id")
+    return cls(
+        model_type="minicpm3",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        kv_lora_rank=cfg.get("kv_lora_rank", 256),
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 64),
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim", 32),
+        v_head_dim=cfg.get("v_head_dim") or hidden // heads,
+        q_lora_rank=cfg.get("q_lora_rank", 768),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=rope_theta,
+        rope=_rope_from_dict(rope_params, cfg.get("max_position_embeddings", 32768)),
+        rope_interleave=False,  # HF MiniCPM3: apply_rotary_pos_emb (rotate-half)
+        max_position_embeddings=cfg.get("max_position_embeddings", 32768),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        scale_emb=float(cfg.get("scale_emb", 12)),
+        residual_scale=scale_depth / math.sqrt(layers),
+        logits_scaling=hidden / base,
+    )
+
+
 def _rope_from_dict(params: dict[str, Any], max_positions: int) -> DeepseekRope:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "default":
@@ -277,4 +348,5 @@ def _rope_from_dict(params: dict[str, Any], max_positions: int) -> DeepseekRope:
         mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
+        short_factor=tuple(params["short_factor"]) if params.get("short_factor") else None,
     )

@@ -23,6 +23,9 @@ def deepseek_inv_freq(dim: int, theta: float, rope: DeepseekRope) -> torch.Tenso
     inv_freq = 1.0 / pos_freqs
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
+    if rope.rope_type == "longrope":  # HF: the short factors within the original length
+        assert rope.short_factor is not None
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * pos_freqs)
     if rope.rope_type != "yarn":
         return inv_freq
     original = rope.original_max_position_embeddings
