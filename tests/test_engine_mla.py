@@ -19,12 +19,16 @@ from kvserve.sampling import SamplingParams
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory) -> ModelSession:
+# "dense": float32 weights (oneDNN-packed); "q8_0": the same checkpoint quantized at load
+# (every linear, experts included, through the C++ kernels; kv_b_proj and the router stay
+# float), the reference decoders running the same quantized model
+@pytest.fixture(scope="module", params=["dense", "q8_0"])
+def session(request, tmp_path_factory) -> ModelSession:
     path, _ = make_deepseek_checkpoint(
         tmp_path_factory.mktemp("mla"), "deepseek_v2", **{**MLA, **MOE, "q_lora_rank": 48}
     )
-    return ModelSession.open(path, "float32", "cpu")
+    quantization = None if request.param == "dense" else request.param
+    return ModelSession.open(path, "float32", "cpu", quantization=quantization)
 
 
 def make_llm(session: ModelSession, **kwargs) -> LLM:
