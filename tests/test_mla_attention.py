@@ -115,6 +115,7 @@ def test_bytes_per_token_is_the_formula(rank, rope, heads, nope, v, latent, mha)
     assert spec.bytes_per_token == latent * 2
     assert spec.bytes_per_block == latent * 2 * 16
     assert spec.mha_equivalent_bytes_per_token == mha * 2
+    assert (spec.max_blocks(16), spec.max_blocks(17), spec.first_needed_block(100)) == (1, 2, 0)
     assert spec.describe() == (
         f"mla (latent {rank} + rope {rope}, bfloat16; {latent * 2:,} B/token/layer vs "
         f"{mha * 2:,} as MHA)"

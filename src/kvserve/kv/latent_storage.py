@@ -25,8 +25,11 @@ class LatentGroup:
                    (..., 1) float16, ``latent.rope`` (..., rope) in ``rope_dtype``
     """
 
-    def __init__(self, spec: MLASpec, num_layers: int, num_blocks: int, device) -> None:
+    def __init__(self, spec: MLASpec, num_layers: int, num_blocks: int, device, share=None) -> None:
         self.spec = spec
+        if share is not None:  # a group of the same shape whose tensors this one uses
+            self.tensors = share.tensors
+            return
         lead = (num_layers, num_blocks, spec.block_size)
         # zeros: a padded read of a never-written slot must not see NaN garbage (masked, but
         # 0 * NaN would still poison the weighted sum)

@@ -92,6 +92,8 @@ class MLASpec:
     """
 
     kind: ClassVar[str] = "mla"
+    sliding_window: ClassVar[None] = None  # every earlier token is attended (no window)
+    num_sinks: ClassVar[int] = 0
     kv_lora_rank: int
     qk_rope_head_dim: int
     dtype: CacheDtype
@@ -116,6 +118,19 @@ class MLASpec:
                 raise ValueError("an fp8_e4m3 latent needs a float rope_dtype for the rope key")
         elif self.rope_dtype is not None and self.rope_dtype != self.dtype:
             raise ValueError("rope_dtype differs from dtype only for an fp8_e4m3 latent")
+
+    def first_needed_block(self, num_computed: int) -> int:
+        """Blocks before this one are never read again: none (every token stays visible)."""
+        return 0
+
+    def max_blocks(self, num_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds in this layer's group."""
+        return -(-num_tokens // self.block_size)
+
+    @property
+    def tensor_shape(self) -> tuple:
+        """What the storage allocates per layer (layers whose shapes agree can share)."""
+        return (self.kind, self.kv_lora_rank, self.qk_rope_head_dim, self.dtype, self.rope_dtype)
 
     @property
     def k_dtype(self) -> CacheDtype:
