@@ -10,12 +10,16 @@ come from KVCacheSpec, the same function the engine allocates with.
         [--kv-cache-dtype auto int8 fp8_e4m3 int4 int4_sym int4/int8]
 
 One row per cache dtype (K/V apart as int4/int8): bytes per token, the pool's blocks and the
-requests held at once at the same memory.
+requests held at once at the same memory. For a latent-attention model (DeepSeek-V2/V3; a
+checkpoint or a bare config.json as --model) two rows per float dtype and fp8_e4m3: the MLA
+latent cache (fp8: the latent part, the rope key in --dtype) and the multi-head cache the same
+model would need in that dtype (other quantized dtypes are left out: no such latent).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from dataclasses import dataclass
 
@@ -27,7 +31,10 @@ from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.spec import KVCacheSpec
 from kvserve.models.config import ModelConfig
+from kvserve.models.deepseek import deepseek_kv_cache_spec
+from kvserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES, DeepseekConfig
 from kvserve.models.gguf_checkpoint import find_gguf_file, read_gguf_config
 from kvserve.models.hf_checkpoint import read_hf_config
 from kvserve.models.llama import kv_cache_spec
@@ -36,9 +43,36 @@ from kvserve.sampling import SamplingParams
 
 
 def model_config(model: str | None):
+    """A checkpoint's config, or a bare config.json's (a DeepSeek-V3 shape needs no weights)."""
     path = resolve_model_path(model)
+    if path.suffix == ".json":
+        cfg = json.loads(path.read_text())
+        if cfg.get("model_type") in DEEPSEEK_MODEL_TYPES:
+            return DeepseekConfig.from_hf(cfg)
+        return ModelConfig.from_hf(cfg)
     gguf = find_gguf_file(path)
     return read_gguf_config(gguf)[0] if gguf else read_hf_config(path)
+
+
+def specs_for(cfg, name: str, model_dtype, block_size: int) -> list[tuple[str, object]]:
+    """(row label, spec) for one --kv-cache-dtype. A latent-attention (MLA) model gets its
+    latent spec and, beside it, the multi-head cache the same model would need at that dtype:
+    heads x (K: nope + rope, V: v_head_dim), as a full-attention spec of equal bytes (head
+    dim (nope + rope + v) / 2 for K and V alike: the simulation only reads bytes per block)."""
+    k, v = (name.split("/") * 2)[:2]
+    k_dt, v_dt = CacheDtype.parse(k, model_dtype), CacheDtype.parse(v, model_dtype)
+    if not isinstance(cfg, DeepseekConfig):
+        return [(name, kv_cache_spec(cfg, k_dt, v_dt, block_size))]
+    if k_dt != v_dt or (k_dt.is_quantized and k_dt.name != "fp8_e4m3"):
+        return []  # a latent is a float dtype or fp8_e4m3 (kv/spec.py MLASpec)
+    rope = CacheDtype.of(model_dtype)  # an fp8 latent's rope key: the model's dtype
+    latent = deepseek_kv_cache_spec(cfg, k_dt, v_dt, block_size, rope_dtype=rope)
+    per_head = cfg.qk_head_dim + cfg.v_head_dim
+    mha = KVCacheSpec.full_attention(
+        cfg.num_hidden_layers, cfg.num_attention_heads, per_head // 2, k_dt, block_size
+    )
+    assert mha.bytes_per_token == latent.mha_equivalent_bytes_per_token or per_head % 2
+    return [(f"{k_dt.name} mla latent", latent), (f"{k_dt.name} as MHA", mha)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +87,9 @@ class CapacityRow:
     dense_requests: int  # one max_model_len buffer per request, same memory
 
 
-def simulate(cfg, spec, memory: int, args, max_model_len: int, workload) -> CapacityRow:
+def simulate(
+    cfg, spec, memory: int, args, max_model_len: int, workload, label: str = ""
+) -> CapacityRow:
     """The real Scheduler and KVCacheManager over the workload, a simulated model."""
     num_blocks = spec.num_blocks_for(memory)
     groups = [g.spec for g in spec.groups]
@@ -85,7 +121,7 @@ def simulate(cfg, spec, memory: int, args, max_model_len: int, workload) -> Capa
                 if status is not None:
                     sched.finish(req, status)
     return CapacityRow(
-        spec.cache_dtype_name,
+        label or spec.cache_dtype_name,
         spec.bytes_per_token,
         num_blocks,
         max(running),
@@ -254,14 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     model_dtype = parse_dtype(args.dtype)
     rows = []
     for name in args.kv_cache_dtype:
-        k, v = (name.split("/") * 2)[:2]
-        spec = kv_cache_spec(
-            cfg,
-            CacheDtype.parse(k, model_dtype),
-            CacheDtype.parse(v, model_dtype),
-            args.block_size,
-        )
-        rows.append(simulate(cfg, spec, memory, args, max_model_len, workload))
+        for label, spec in specs_for(cfg, name, model_dtype, args.block_size):
+            rows.append(simulate(cfg, spec, memory, args, max_model_len, workload, label))
     title = (
         f"capacity: model={cfg.model_type} activations={args.dtype} KV memory="
         f"{memory / 2**20:.0f} MiB, blocks of {args.block_size}, max_model_len={max_model_len}, "

@@ -37,6 +37,7 @@ class InfoReport:
     model: str | None = None
     weights: str | None = None  # resident bytes and formats of the model
     weight_paths: dict[str, str] = field(default_factory=dict)  # format -> matmul path
+    kv_cache: str | None = None  # the model's cache per token (MLA: beside its MHA equivalent)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +63,8 @@ class InfoReport:
             out.append(f"weights        {self.weights}")
             for fmt, path in sorted(self.weight_paths.items()):
                 out.append(f"  {fmt:<12} {path}")
+            if self.kv_cache is not None:
+                out.append(f"kv cache       {self.kv_cache}")
         return out
 
 
@@ -88,4 +91,14 @@ def collect_info(session=None, device: str | None = None) -> InfoReport:
         report.model = str(session.path)
         report.weights = session.weights.summary()
         report.weight_paths = dict(session.weights.paths)
+        report.kv_cache = describe_kv_cache(session.model.kv_cache_spec())
     return report
+
+
+def describe_kv_cache(spec) -> str:
+    """e.g. "61 x mla (...): 70,272 B/token, as MHA 4,997,120 B/token (1.4%)"."""
+    text = f"{spec.describe()}: {spec.bytes_per_token:,} B/token"
+    mha = spec.mha_equivalent_bytes_per_token
+    if mha != spec.bytes_per_token:
+        text += f", as MHA {mha:,} B/token ({spec.bytes_per_token / mha:.1%})"
+    return text

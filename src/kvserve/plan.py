@@ -13,6 +13,9 @@ the plan says fits is what fits.
 Windowed layers (a checkpoint's own sliding windows, or the StreamingLLM policy's sinks +
 window) hold at most their window per request, in bytes and in blocks (``bytes_held`` /
 ``max_blocks``), so their requests stop growing. No I/O: the CLI reads configs and sizes.
+A latent-attention model (DeepSeek-V2/V3, ``PlanInput.mla``) plans with ``MLASpec`` (one
+latent row per token and layer), and each row also says what the same model would need with a
+multi-head cache (``mha_bytes_per_token``, ``mha_requests``). No I/O: the CLI reads configs and sizes.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from kvserve.config import GIB
 from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES, CacheDtype
-from kvserve.kv.spec import KVCacheSpec
+from kvserve.kv.spec import KVCacheSpec, MLASpec
 
 # public memory sizes of common devices (what the spec sheet's "GB" means: GiB of HBM/GDDR)
 DEVICE_PRESETS: dict[str, int] = {
@@ -38,6 +41,17 @@ DEFAULT_RESERVE = 0.1  # vLLM's gpu_memory_utilization 0.9: activations, allocat
 
 
 @dataclass(frozen=True, slots=True)
+class MLAShape:
+    """A latent-attention model's cache shape (DeepSeek-V2/V3): what ``MLASpec`` needs."""
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    num_heads: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
 class PlanInput:
     num_layers: int
     num_kv_heads: int
@@ -49,6 +63,7 @@ class PlanInput:
     # per layer its sliding window, None for full attention (empty: every layer full)
     windows: tuple[int | None, ...] = ()
     streaming: tuple[int, int] | None = None  # (sinks, window): the StreamingLLM policy
+    mla: MLAShape | None = None  # set: every layer caches a latent row (MLASpec)
 
     def __post_init__(self) -> None:
         if self.windows and len(self.windows) != self.num_layers:
@@ -62,7 +77,24 @@ class PlanInput:
             )
 
     def spec(self, k_dtype: CacheDtype, v_dtype: CacheDtype) -> KVCacheSpec:
-        """The spec the engine would allocate (``models.llama.kv_cache_spec`` for these dims)."""
+        """The spec the engine would allocate (``models.llama.kv_cache_spec`` for these dims,
+        ``models.deepseek.deepseek_kv_cache_spec`` for a latent shape)."""
+        if self.mla is not None:
+            if k_dtype != v_dtype:
+                raise ValueError("an MLA cache has one dtype (no K/V apart)")
+            m = self.mla
+            mla = MLASpec(
+                m.kv_lora_rank,
+                m.qk_rope_head_dim,
+                k_dtype,
+                self.block_size,
+                m.num_heads,
+                m.qk_nope_head_dim,
+                m.v_head_dim,
+                # an fp8 latent keeps its rope key in bfloat16 (the engine: the model's dtype)
+                rope_dtype=CacheDtype("bfloat16") if k_dtype.is_quantized else None,
+            )
+            return KVCacheSpec.uniform(self.num_layers, mla)
         return KVCacheSpec.for_layers(
             self.num_kv_heads,
             self.head_dim,
@@ -75,7 +107,10 @@ class PlanInput:
 
     @property
     def layout(self) -> str:
-        """ "full", "sliding 4096", "hybrid: 16 sliding 4096 + 16 full", "4 sinks + window 1020"."""
+        """ "full", "sliding 4096", "hybrid: 16 sliding 4096 + 16 full", "4 sinks + window 1020",
+        "mla"."""
+        if self.mla is not None:
+            return "mla"
         windows = self.windows or (None,) * self.num_layers
         sliding = [w for w in windows if w is not None]
         full = len(windows) - len(sliding)
@@ -108,6 +143,8 @@ class PlanRow:
     pool_blocks: int  # what LLMEngine allocates for kv_budget
     pool_tokens: int
     requests: int  # requests of this context that fit at once
+    mha_bytes_per_token: int = 0  # the same model with a multi-head cache (MLA: far more)
+    mha_requests: int = 0  # requests that would fit with that cache, same budget
 
     def as_dict(self) -> dict[str, int | str]:
         return asdict(self)
@@ -132,6 +169,10 @@ def plan_row(inp: PlanInput, dtype: str, context: int) -> PlanRow:
         pool_blocks=blocks,
         pool_tokens=blocks * spec.block_size,
         requests=blocks // per_request_blocks,
+        mha_bytes_per_token=spec.mha_equivalent_bytes_per_token,
+        mha_requests=max(budget, 0)
+        // (spec.mha_equivalent_bytes_per_token * spec.block_size)
+        // per_request_blocks,
     )
 
 
@@ -204,4 +245,8 @@ def table(rows: Sequence[PlanRow]) -> list[str]:
             f"{r.dtype:<19} {r.layout:<24} {r.context:>8} {r.bytes_per_token:>12,} "
             f"{human(r.bytes_per_request):>24} {r.pool_tokens:>12,} {r.requests:>9,}"
         )
+    if rows and any(r.mha_bytes_per_token != r.bytes_per_token for r in rows):  # MLA
+        lines[0] += f" {'as MHA b/token':>15} {'MHA requests':>13}"
+        for i, r in enumerate(rows, start=1):
+            lines[i] += f" {r.mha_bytes_per_token:>15,} {r.mha_requests:>13,}"
     return lines

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from kvserve.config import parse_memory
 from kvserve.default_model import default_model_path
 from kvserve.models.config import ModelConfig
+from kvserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES, DeepseekConfig
 from kvserve.plan import (
     CACHE_DTYPES,
     DEFAULT_RESERVE,
     DEVICE_PRESETS,
+    MLAShape,
     PlanInput,
     TextCost,
     human,
@@ -96,7 +99,7 @@ def _machine_memory() -> int:
     raise ValueError("cannot read this machine's memory (/proc/meminfo); pass --device-memory")
 
 
-def _model_shape(path: Path) -> tuple[ModelConfig, int]:
+def _model_shape(path: Path) -> tuple[ModelConfig | DeepseekConfig, int]:
     """The model's config and its weight files' bytes."""
     from kvserve.models.gguf_checkpoint import read_gguf_config
     from kvserve.models.hf_checkpoint import read_hf_config, safetensors_files
@@ -104,7 +107,10 @@ def _model_shape(path: Path) -> tuple[ModelConfig, int]:
     if path.suffix == ".gguf":
         return read_gguf_config(path)[0], path.stat().st_size
     if path.name.endswith(".json"):  # a bare config: no weights to size
-        return ModelConfig.from_hf(json.loads(path.read_text())), 0
+        cfg = json.loads(path.read_text())
+        if cfg.get("model_type") in DEEPSEEK_MODEL_TYPES:
+            return DeepseekConfig.from_hf(cfg), 0
+        return ModelConfig.from_hf(cfg), 0
     return read_hf_config(path), sum(f.stat().st_size for f in safetensors_files(path))
 
 
@@ -119,6 +125,8 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
     else:
         path = Path(args.model) if args.model else default_model_path()
         config, weights = _model_shape(path)
+        if isinstance(config, DeepseekConfig):
+            return _mla_plan_input(args, path, config, weights)
         layers, kv_heads, head_dim = (
             config.num_hidden_layers,
             config.num_key_value_heads,
@@ -130,14 +138,7 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
         windows = tuple(config.layer_window(i) for i in range(layers))
         if all(w is None for w in windows):
             windows = ()
-    if args.weights_bytes is not None:
-        weights = parse_memory(args.weights_bytes)
-    if args.device_memory is not None:
-        memory = parse_memory(args.device_memory)
-    elif args.device == THIS_MACHINE:
-        memory = _machine_memory()
-    else:
-        memory = DEVICE_PRESETS[args.device]
+    weights, memory = _weights_and_memory(args, weights)
     streaming = None
     if args.streaming_window is not None:
         streaming = (args.streaming_sinks, args.streaming_window)
@@ -151,6 +152,48 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
         args.reserve,
         windows,
         streaming,
+    )
+    return name, inp
+
+
+def _weights_and_memory(args: argparse.Namespace, weights: int) -> tuple[int, int]:
+    if args.weights_bytes is not None:
+        weights = parse_memory(args.weights_bytes)
+    if args.device_memory is not None:
+        return weights, parse_memory(args.device_memory)
+    if args.device == THIS_MACHINE:
+        return weights, _machine_memory()
+    return weights, DEVICE_PRESETS[args.device]
+
+
+def _mla_plan_input(
+    args: argparse.Namespace, path: Path, config: DeepseekConfig, weights: int
+) -> tuple[str, PlanInput]:
+    """A latent-attention model: one MLA row per token and layer (``MLASpec``)."""
+    c = config
+    mla = MLAShape(
+        c.kv_lora_rank, c.qk_rope_head_dim, c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
+    )
+    name = (
+        f"{path.name}: {c.num_hidden_layers} layers x MLA latent {c.kv_lora_rank} + rope "
+        f"{c.qk_rope_head_dim} ({c.latent_width} values/token/layer; as MHA {c.num_attention_heads}"
+        f" heads x ({c.qk_nope_head_dim} + {c.qk_rope_head_dim} + {c.v_head_dim}) = "
+        f"{c.num_attention_heads * (c.qk_head_dim + c.v_head_dim):,})"
+    )
+    if args.streaming_window is not None or args.sliding_window is not None:
+        raise ValueError(
+            "an MLA model's plan has no windows (--streaming-window / --sliding-window)"
+        )
+    weights, memory = _weights_and_memory(args, weights)
+    inp = PlanInput(
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.qk_head_dim,
+        memory,
+        weights,
+        args.block_size,
+        args.reserve,
+        mla=mla,
     )
     return name, inp
 
@@ -219,4 +262,5 @@ def inp_dict(inp: PlanInput) -> dict[str, int | float]:
         "weights_bytes": inp.weights_bytes,
         "reserve": inp.reserve,
         "layout": inp.layout,
+        **({} if inp.mla is None else {"mla": asdict(inp.mla)}),
     }

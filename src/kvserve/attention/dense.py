@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.attention.backend import causal_attention
+from kvserve.attention.mla import MLAWeights, expanded_attention
 from kvserve.attention.window import WindowRule, window_attention
 from kvserve.kv.storage import KVCacheStorage
 
@@ -40,3 +41,19 @@ class DenseAttention:
             k_pos = torch.arange(end, device=q.device)
             return window_attention(q, k_all, v_all, slots, k_pos, rule, self.scale)
         return causal_attention(q, k_all.transpose(0, 1), v_all.transpose(0, 1), self.scale)
+
+    def mla(
+        self,
+        layer_idx: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        weights: MLAWeights,
+    ) -> torch.Tensor:
+        """Latent attention: write this pass's rows (T, rank + rope) at [start, start + T),
+        expand rows [0, start + T) per head (the reference: no absorption)."""
+        end = self.start + q_nope.shape[0]
+        slots = torch.arange(self.start, end, device=q_nope.device)
+        self.storage.write_latent(layer_idx, slots, latent)
+        rows = self.storage.read_latent_block(layer_idx, 0, end)  # (end, rank + rope)
+        return expanded_attention(q_nope, q_pe, rows, weights, self.scale)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.attention.backend import causal_attention
+from kvserve.attention.mla import MLAWeights, expanded_attention
 from kvserve.attention.window import WindowRule, window_attention
 
 
@@ -26,3 +27,15 @@ class NoCacheAttention:
             pos = torch.arange(q.shape[0], device=q.device)
             return window_attention(q, k, v, pos, pos, rule, self.scale)
         return causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), self.scale)
+
+    def mla(
+        self,
+        layer_idx: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        weights: MLAWeights,
+    ) -> torch.Tensor:
+        """Latent attention (attention/mla.py): latent (T, rank + rope) of the whole sequence,
+        expanded per head, causal -> (T, heads, v_head_dim)."""
+        return expanded_attention(q_nope, q_pe, latent, weights, self.scale)

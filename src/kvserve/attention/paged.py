@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import causal_attention
+from kvserve.attention.mla import paged_mla
 from kvserve.attention.paged_window import windowed_paged_attention
 from kvserve.attention.window import Rotary, WindowRule
 from kvserve.intmath import cdiv
@@ -169,6 +170,12 @@ class PagedAttention:
                 self.storage, self.md, layer_idx, i, q, self.scale
             )
         return out
+
+    def mla(self, layer_idx, q_nope, q_pe, latent, weights) -> torch.Tensor:
+        """Latent (MLA) layers: attention/mla.py ``paged_mla`` (decodes absorbed)."""
+        return paged_mla(
+            self.storage, self.md, layer_idx, q_nope, q_pe, latent, weights, self.scale
+        )
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Decode requests [0, B): q (B, heads, head_dim), one query each."""

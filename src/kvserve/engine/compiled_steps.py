@@ -107,6 +107,11 @@ def compile_model(
     """The layer steps for ``model``: compiled and checked against eager, or eager."""
     if enforce_eager:
         return CompileResult(EAGER_STEPS, False, 0.0, "enforce_eager")
+    if not isinstance(model, LlamaForCausalLM):
+        # the compiled halves are LlamaDecoderLayer's; other families' layers run eager
+        reason = f"{type(model).__name__} layers are not compiled (Llama family only)"
+        logger.info("model step runs eager: %s", reason)
+        return CompileResult(EAGER_STEPS, False, 0.0, reason)
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         # oneDNN-packed weights are opaque tensors that inductor cannot trace (measured: it
         # fails in lowering); packed eager GEMVs are within ~1.3x of compiled plain ones

@@ -127,13 +127,15 @@ class LLMEngine:
         self.model_time_s = 0.0
         self.num_failed_steps = 0  # steps that raised (their requests failed)
         self.consecutive_step_failures = 0  # since the last step that did not raise
+        mha = self.spec.mha_equivalent_bytes_per_token  # MLA: the cache it replaces
         logger.info(
-            "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token; %s)",
+            "KV cache: %d blocks x %d tokens, %.1f MiB (%d bytes/token; %s)%s",
             num_blocks,
             self.spec.block_size,
             self.storage.nbytes / 2**20,
             self.spec.bytes_per_token,
             self.spec.describe(),
+            "" if mha == self.spec.bytes_per_token else f"; as MHA {mha:,} bytes/token",
         )
 
     def _pool_tokens(self, num_blocks: int) -> int:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kv.cache_dtype import CacheDtype
+from kvserve.kv.latent_storage import group_for
 from kvserve.kv.spec import KVCacheSpec
 
 SIDES = ("k", "v")
@@ -125,7 +126,9 @@ class KVCacheStorage:
         self.groups: list[_Group] = []
         for g in spec.groups:
             share = self.groups[0] if self.groups and shared else None
-            self.groups.append(_Group(g.spec, len(g.layers), num_blocks, device, share))
+            self.groups.append(
+                (group_for(g.spec) or _Group)(g.spec, len(g.layers), num_blocks, device, share)
+            )
         self._owners = [g for i, g in enumerate(self.groups) if i == 0 or not shared]
         self._where: list[tuple[int, int]] = [(0, 0)] * spec.num_layers  # layer -> (group, index)
         for gi, g in enumerate(spec.groups):
@@ -247,3 +250,20 @@ class KVCacheStorage:
                 )
         for name, dim, t in named:
             t.index_copy_(dim, ids, tensors[name].to(self.device).movedim(0, dim))
+
+    # ---- the latent (MLA) layout: one row per token and layer (kv/latent_storage.py) -------
+
+    def write_latent(self, layer: int, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store latent rows (T, kv_lora_rank + qk_rope_head_dim) at slots (T,)."""
+        gi, index = self._where[layer]
+        self.groups[gi].write(index, slot_mapping, rows)
+
+    def gather_latent(self, layer: int, block_table: torch.Tensor) -> torch.Tensor:
+        """block_table (b, nb) long -> latent rows (b, nb * block_size, width)."""
+        gi, index = self._where[layer]
+        return self.groups[gi].gather(index, block_table)
+
+    def read_latent_block(self, layer: int, block_id: int, n: int) -> torch.Tensor:
+        """The first ``n`` latent rows of one block (n, width), a view (the dense cache)."""
+        gi, index = self._where[layer]
+        return self.groups[gi].read_block(index, block_id, n)

@@ -112,7 +112,12 @@ def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
 def read_gguf_config(path: Path) -> tuple[ModelConfig, GGUFReader]:
     reader = GGUFReader(path)
     names = {t.name for t in reader.tensors}
-    return ModelConfig.from_gguf(read_gguf_metadata(reader), names), reader
+    meta = read_gguf_metadata(reader)
+    if meta.get("general.architecture") == "deepseek2":  # models/deepseek_gguf.py
+        from kvserve.models.deepseek_gguf import deepseek_config_from_gguf
+
+        return deepseek_config_from_gguf(meta, names), reader
+    return ModelConfig.from_gguf(meta, names), reader
 
 
 def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -142,7 +147,15 @@ def iter_gguf_tensors(
     With ``keep_quantized``, 2-D weights in a ``KEEP_QUANTIZED`` format come as a
     ``QuantizedTensor`` (their bytes, copied out of the memory map); the rest as float32.
     """
-    unpermute = reader.fields["general.architecture"].contents() == "llama"
+    arch = reader.fields["general.architecture"].contents()
+    if arch == "deepseek2":  # stacked experts, split kv_b: models/deepseek_gguf.py
+        from kvserve.models.deepseek_gguf import iter_deepseek_gguf_tensors
+
+        yield from iter_deepseek_gguf_tensors(
+            reader, config, keep_quantized, QuantizedTensor, dequantize_tensor
+        )
+        return
+    unpermute = arch == "llama"
     for t in reader.tensors:
         qtype = GGMLQuantizationType(t.tensor_type)
         # GGUF lists dims innermost first: (rows, cols) = reversed

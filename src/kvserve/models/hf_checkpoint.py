@@ -11,14 +11,18 @@ import torch
 from safetensors import safe_open
 
 from kvserve.models.config import ModelConfig
+from kvserve.models.deepseek_config import DEEPSEEK_MODEL_TYPES, DeepseekConfig
 
 
-def read_hf_config(model_dir: Path) -> ModelConfig:
+def read_hf_config(model_dir: Path) -> ModelConfig | DeepseekConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} has no config.json; is it a Hugging Face model dir?")
     cfg = json.loads(path.read_text())
-    config = ModelConfig.from_hf(cfg)
+    if cfg.get("model_type") in DEEPSEEK_MODEL_TYPES:
+        config = DeepseekConfig.from_hf(cfg)
+    else:
+        config = ModelConfig.from_hf(cfg)
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
         # generation_config.json may list more stop ids (Llama 3 instruct: <|eot_id|>).

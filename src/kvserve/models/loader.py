@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 
 from kvserve.default_model import default_model_path
 from kvserve.models.config import ModelConfig
+from kvserve.models.deepseek import DEEPSEEK_REGISTRY
+from kvserve.models.deepseek_config import DeepseekConfig
 from kvserve.models.gguf_checkpoint import (
     ROPE_FREQS,
     QuantizedTensor,
@@ -40,7 +42,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(slots=True)
 class LoadedModel:
-    config: ModelConfig
+    config: ModelConfig | DeepseekConfig
     model: LlamaForCausalLM
     path: Path  # the checkpoint directory or GGUF file
     gguf_file: Path | None  # set when loaded from GGUF
@@ -152,7 +154,7 @@ def build_model(
     Quantized tensors are checked the same way but not loaded: they are returned by name (the
     modules they fill stay on the meta device until ``finalize_weights`` replaces them).
     """
-    cls = MODEL_REGISTRY[config.model_type]
+    cls = {**MODEL_REGISTRY, **DEEPSEEK_REGISTRY}[config.model_type]
     with torch.device("meta"):
         model = cls(config)
     expected = dict(model.named_parameters())
@@ -168,6 +170,8 @@ def build_model(
             continue
         if name.endswith(_IGNORED_SUFFIXES):
             continue
+        if hasattr(model, "skip_checkpoint_tensor") and model.skip_checkpoint_tensor(name):
+            continue  # e.g. DeepSeek-V3's multi-token-prediction layers
         if name == "lm_head.weight" and config.tie_word_embeddings:
             tied_head = tensor  # some tied checkpoints store a copy; it must equal the embedding
             continue
@@ -176,7 +180,8 @@ def build_model(
             quantized[name] = tensor
             continue
         _check_shape(name, tuple(tensor.shape), expected)
-        state[name] = tensor.to(device=device, dtype=dtype)
+        keep = name.endswith(getattr(model, "float32_params", ()))  # e.g. a MoE router
+        state[name] = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
     missing = sorted(set(expected) - set(state) - set(quantized))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -191,10 +196,13 @@ def build_model(
                 "checkpoint has tie_word_embeddings but an lm_head.weight that differs from "
                 "model.embed_tokens.weight"
             )
-    rotary = model.model.rotary_emb
-    rotary.inv_freq = rope_inv_freq(
-        config.head_dim, config.rope_theta, config.rope_scaling, freq_factors
-    ).to(device)
+    if hasattr(model, "init_buffers"):  # a family with its own rotary (models/deepseek.py)
+        model.init_buffers(device)
+    else:
+        rotary = model.model.rotary_emb
+        rotary.inv_freq = rope_inv_freq(
+            config.head_dim, config.rope_theta, config.rope_scaling, freq_factors
+        ).to(device)
     model.eval().requires_grad_(False)
     filled = {n.removesuffix(".weight") for n in quantized}
     if config.tie_word_embeddings and "model.embed_tokens.weight" in quantized:

@@ -172,6 +172,8 @@ def fuse_quantized(
         prefix = f"model.layers.{i}."
         for target, members in FUSIONS.items():
             parts = [quantized.get(f"{prefix}{m}.weight") for m in members]
+            if any(p is None for p in parts):
+                continue  # not quantized, or a family without these members (DeepSeek's MLA)
             biased = any(
                 getattr(model.get_submodule(prefix + m), "bias", None) is not None for m in members
             )

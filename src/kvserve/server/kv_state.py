@@ -122,8 +122,9 @@ def spec_summary(engine: LLMEngine) -> SpecSummary:
     layer = spec.groups[0].spec
     return SpecSummary(
         num_layers=spec.num_layers,
-        num_kv_heads=layer.num_kv_heads,
-        head_dim=layer.head_dim,
+        # a latent (MLA) layer caches one row of ``width`` values: one shared "head"
+        num_kv_heads=getattr(layer, "num_kv_heads", 1),
+        head_dim=getattr(layer, "head_dim", getattr(layer, "width", 0)),
         block_size=spec.block_size,
         cache_dtype=spec.cache_dtype_name,
         k_cache_dtype=layer.k_dtype.name,
