@@ -233,3 +233,63 @@ def test_windowed_planned_pool_is_what_the_engine_allocates(tmp_path: Path, over
     assert engine.kv_manager.pool.num_blocks == row.pool_blocks > 0
     assert engine.storage.nbytes == row.pool_blocks * engine.spec.bytes_per_block
     assert engine.spec.max_blocks(100) * engine.spec.bytes_per_block == row.allocated_per_request
+
+
+# DeepSeek-V2-Lite's config.json (the fields that shape its cache and the config record)
+DEEPSEEK_V2_LITE = {
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 1,
+    "topk_method": "greedy",
+    "max_position_embeddings": 163840,
+}
+
+
+def test_three_real_configs_by_hand(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Llama-3-8B (full attention), Mistral-7B-v0.1 (a 4096-token window on every layer) and
+    DeepSeek-V2-Lite (an MLA latent cache) through `kvserve plan --model config.json`, each
+    against the lessons' arithmetic done by hand, at 32k tokens on an 80 GiB device."""
+    rows = {}
+    for name, cfg in (
+        ("llama", LLAMA_3_8B),
+        ("mistral", MISTRAL_7B_V01),
+        ("deepseek", DEEPSEEK_V2_LITE),
+    ):
+        path = tmp_path / name / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(cfg))
+        code, out, _ = run_cli(
+            capsys, "plan", "--model", str(path), "--device-memory", "80GiB",
+            "--weights-bytes", "16GB", "--context", "32768", "--json",
+        )  # fmt: skip
+        assert code == 0
+        (rows[name],) = json.loads(out)["rows"]
+    budget = int(80 * 2**30 * 0.9) - 16 * GB
+    llama, mistral, deepseek = rows["llama"], rows["mistral"], rows["deepseek"]
+    assert llama["bytes_per_token"] == 2 * 32 * 8 * 128 * 2  # K and V, 32 layers x 8 x 128
+    assert llama["bytes_per_request"] == 32768 * 131_072
+    assert llama["requests"] == budget // (131_072 * 16) // 2048
+    assert mistral["layout"] == "sliding 4096"
+    assert mistral["bytes_per_request"] == 4096 * 131_072  # the window's rows only
+    assert mistral["requests"] == budget // (131_072 * 16) // 256
+    assert deepseek["layout"] == "mla"
+    assert deepseek["bytes_per_token"] == 27 * (512 + 64) * 2 == 31_104
+    assert deepseek["mha_bytes_per_token"] == 27 * 16 * (128 + 64 + 128) * 2 == 276_480
+    assert deepseek["requests"] == budget // (31_104 * 16) // 2048
+    # at 32k: the window holds 8x the requests of full attention, the latent ~4.2x
+    assert mistral["requests"] >= 8 * llama["requests"]
+    assert deepseek["requests"] > 4 * llama["requests"]
