@@ -293,3 +293,11 @@ def test_three_real_configs_by_hand(tmp_path: Path, capsys: pytest.CaptureFixtur
     # at 32k: the window holds 8x the requests of full attention, the latent ~4.2x
     assert mistral["requests"] >= 8 * llama["requests"]
     assert deepseek["requests"] > 4 * llama["requests"]
+    # the same latent shape from explicit dims (--layers --mla R P H D V) plans the same
+    code, out, _ = run_cli(
+        capsys, "plan", "--layers", "27", "--mla", "512", "64", "16", "128", "128",
+        "--device-memory", "80GiB", "--weights-bytes", "16GB", "--context", "32768", "--json",
+    )  # fmt: skip
+    assert code == 0
+    (dims,) = json.loads(out)["rows"]
+    assert dims == deepseek

@@ -102,6 +102,16 @@ def test_the_calculator_shows_the_lessons_example(served: ServerProcess) -> None
         per_token = 2 * 4 * 2 * 16 * {"float32": 4, "bfloat16": 2}[dtype]
         expect(page.locator("#calc-per-token")).to_contain_text(f"{per_token:,} B")
 
+        # what a text costs: tokenized by the server, priced at the served cache layout
+        page.fill("#cost-text", "Specialist language shatters into more pieces.")
+        page.click("#cost-go")
+        out = page.locator("#cost-out")
+        expect(out).to_contain_text("tokens per word")
+        tokens = int(out.get_attribute("data-tokens"))
+        assert tokens > 0
+        expect(out).to_contain_text(f"{tokens} tokens, 6 words")
+        expect(out).to_contain_text(f"it holds {tokens * per_token:,} B (")
+
         # the lessons' example, set with the sliders: 31 layers, then one step right
         page.locator("#calc-layers").fill("31")
         expect(page.locator("#calc-layers-n")).to_have_value("31")

@@ -39,6 +39,15 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=None, help="instead of --model: KV heads")
     p.add_argument("--head-dim", type=int, default=None, help="instead of --model: head dim")
     p.add_argument(
+        "--mla",
+        type=int,
+        nargs=5,
+        default=None,
+        metavar=("KV_LORA_RANK", "ROPE_DIM", "HEADS", "NOPE_DIM", "V_DIM"),
+        help="with --layers instead of --kv-heads / --head-dim: an MLA latent cache "
+        "(DeepSeek-V2-Lite: 512 64 16 128 128); heads, nope and v dims size the MHA figure",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         nargs="+",
         default=["bfloat16"],
@@ -115,6 +124,8 @@ def _model_shape(path: Path) -> tuple[ModelConfig | DeepseekConfig, int]:
 
 
 def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
+    if args.mla is not None:
+        return _mla_dims_input(args)
     dims = (args.layers, args.kv_heads, args.head_dim)
     if any(d is not None for d in dims):
         if None in dims or args.model is not None:
@@ -152,6 +163,22 @@ def plan_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
         args.reserve,
         windows,
         streaming,
+    )
+    return name, inp
+
+
+def _mla_dims_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
+    """--layers N --mla R P H D V: a latent cache from explicit dims."""
+    if args.layers is None or args.model is not None or args.kv_heads or args.head_dim:
+        raise ValueError("--mla goes with --layers only (no --model, --kv-heads, --head-dim)")
+    rank, rope, heads, nope, v = args.mla
+    mla = MLAShape(rank, rope, heads, nope, v)
+    name = (
+        f"{args.layers} layers x MLA latent {rank} + rope {rope} ({rank + rope} values/token/layer)"
+    )
+    weights, memory = _weights_and_memory(args, 0)
+    inp = PlanInput(
+        args.layers, heads, nope + rope, memory, weights, args.block_size, args.reserve, mla=mla
     )
     return name, inp
 

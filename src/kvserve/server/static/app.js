@@ -128,6 +128,8 @@ function headDim() {
 }
 
 function prefillCalculator(state) {
+  calc.spec = state.spec;
+  calc.maxModelLen = state.max_model_len;
   calc.table = state.cache_dtypes;
   calc.blockSize = state.spec.block_size;
   const names = Object.keys(calc.table);
@@ -182,6 +184,34 @@ function recompute() {
     `${calc.blockSize} tokens)`;
   fitText.classList.toggle("over", users.get() > fit);
 }
+
+// -- what a text costs: its tokens under the served tokenizer, at the served cache layout ---
+
+async function costText() {
+  const text = $("cost-text").value;
+  const out = $("cost-out");
+  if (!calc.spec || !text.trim()) return;
+  const response = await api("/tokenize", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ prompt: text, add_special_tokens: false }),
+  });
+  if (!response.ok) {
+    out.textContent = await errorText(response);
+    return;
+  }
+  const tokens = (await response.json()).count;
+  const words = text.trim().split(/\s+/).length;
+  const exact = tokens * calc.spec.bytes_per_token;
+  const blocks = Math.ceil(tokens / calc.blockSize);
+  const share = (100 * tokens) / calc.maxModelLen;
+  out.dataset.tokens = String(tokens);
+  out.textContent =
+    `${int(tokens)} tokens, ${int(words)} words (${(tokens / words).toFixed(2)} tokens per ` +
+    `word); it holds ${bytes(exact)} of KV (${bytes(blocks * calc.spec.bytes_per_block)} in ` +
+    `${int(blocks)} blocks), ${share.toFixed(2)}% of the ${int(calc.maxModelLen)}-token context`;
+}
+$("cost-go").addEventListener("click", costText);
 
 // -- the block pool ---------------------------------------------------------------------------
 
