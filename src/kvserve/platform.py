@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 CPU_FEATURES_ENV = "KVSERVE_CPU_FEATURES"
 # levels a machine can be capped to, from least to most
-FEATURE_LEVELS = ("none", "avx2", "avx512", "avx512_bf16")
+FEATURE_LEVELS = ("none", "avx2", "avx512", "avx512_bf16", "amx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +90,7 @@ def _cap(features: CpuFeatures, level: str) -> CpuFeatures:
     keep_avx2 = rank >= 1
     keep_512 = rank >= 2
     keep_bf16 = rank >= 3
+    keep_amx = rank >= 4  # "avx512_bf16" keeps the bf16 kernels but not their AMX tiles
     return CpuFeatures(
         arch=features.arch,
         name=features.name,
@@ -102,7 +103,7 @@ def _cap(features: CpuFeatures, level: str) -> CpuFeatures:
         avx512_vnni=features.avx512_vnni and keep_512,
         avx512_bf16=features.avx512_bf16 and keep_bf16,
         avx_ne_convert=features.avx_ne_convert and keep_bf16,
-        amx_bf16=features.amx_bf16 and keep_bf16,
+        amx_bf16=features.amx_bf16 and keep_amx,
         neon=features.neon and rank >= 1,
         capped_to=level,
     )

@@ -64,6 +64,8 @@ def warmup_token_counts(model: LlamaForCausalLM) -> list[int]:
             counts.update((max(policy.kernel_max_rows, 2), policy.kernel_max_rows + 1))
             if policy.bf16_kernel_max_rows:
                 counts.update((policy.bf16_kernel_max_rows, policy.bf16_kernel_max_rows + 1))
+            if policy.amx_min_rows:
+                counts.update((policy.amx_min_rows - 1, policy.amx_min_rows))
     return sorted(counts)
 
 

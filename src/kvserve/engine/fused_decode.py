@@ -15,7 +15,8 @@ When it runs (``FusedDecode.build`` says why not, once, at debug level):
 - the step is all decodes, and no more rows than every weight's measured kernel threshold
   (above it the eager path's dequantize + GEMM is faster). A bfloat16 model on an
   AVX-512-BF16 CPU multiplies each weight through the float32 or the bf16 kernel, whichever
-  ``QuantPolicy.path`` picks at the step's row count, as the eager layers would.
+  ``QuantPolicy.path`` picks at the step's row count (the bf16 one through AMX tiles where
+  the CPU has them), as the eager layers would.
 
 Activations stay float32 inside (a bfloat16 model's eager layers round them to bfloat16 after
 each op), the cache is written in its own dtype. The eager layers are the reference:
@@ -62,7 +63,8 @@ class FusedDecode:
             for p in self.policies
         )
         self.isa = layers[0][0].policy.isa
-        self._bf16_flags: dict[int, list[int]] = {}  # rows -> per weight: 1 = the bf16 kernel
+        # rows -> per weight: 0 the float32 kernel, 1 the bf16 kernel, 2 the bf16 one on AMX
+        self._bf16_flags: dict[int, list[int]] = {}
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, storage: KVCacheStorage) -> FusedDecode | None:
@@ -133,7 +135,8 @@ class FusedDecode:
         rows = input_ids.shape[0]
         flags = self._bf16_flags.get(rows)
         if flags is None:  # the path each weight takes at this many rows (as quant_linear)
-            flags = [int(p.path(rows, self.bf16) == "bf16 kernel") for p in self.policies]
+            kinds = {"bf16 kernel": 1, "amx kernel": 2}
+            flags = [kinds.get(p.path(rows, self.bf16), 0) for p in self.policies]
             self._bf16_flags[rows] = flags
         x = inner.embed_tokens(input_ids).float()
         cos, sin = inner.rotary_emb(positions, torch.float32)  # (B, 1, head_dim)

@@ -7,6 +7,8 @@
 - ``bf16 kernel``: a bfloat16 model on a CPU with AVX-512-BF16: the same with the weights
   rounded to bfloat16 in the kernel and bf16 x bf16 dot products (``quant_matmul_bf16``),
   for rows above ``kernel_max_rows`` up to ``bf16_kernel_max_rows``;
+- ``amx kernel``: the same arithmetic through AMX tiles (CPUs with AMX-BF16), for the rows
+  of the bf16 kernel's range from ``amx_min_rows`` on;
 - ``dequant+matmul``: the C++ dequantizer into a float32 weight, then ``F.linear`` (oneDNN);
 - ``reference``: the pure-PyTorch dequantizer, then ``F.linear`` -- the fallback wherever the
   extension did not build or is turned off, and the truth the kernels are tested against.
@@ -38,6 +40,9 @@ class QuantPolicy:
     # rows in (kernel_max_rows, bf16_kernel_max_rows] of bfloat16 activations take the bf16
     # kernel (set only where native_bf16 and the CPU has AVX-512-BF16); 0: never
     bf16_kernel_max_rows: int = 0
+    # rows in [amx_min_rows, bf16_kernel_max_rows] of the bf16 kernel run through AMX tiles
+    # (set only where the CPU has AMX-BF16, measured); 0: never
+    amx_min_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.isa not in (-1, 0, 1, 2):
@@ -49,6 +54,11 @@ class QuantPolicy:
                 f"bf16_kernel_max_rows must be >= 0, and 0 unless native_bf16, got "
                 f"{self.bf16_kernel_max_rows} (native_bf16={self.native_bf16})"
             )
+        if self.amx_min_rows < 0 or (self.amx_min_rows and not self.bf16_kernel_max_rows):
+            raise ValueError(
+                f"amx_min_rows must be >= 0, and 0 unless bf16_kernel_max_rows, got "
+                f"{self.amx_min_rows} (bf16_kernel_max_rows={self.bf16_kernel_max_rows})"
+            )
 
     def path(self, rows: int, bf16: bool = False) -> str:
         """The path ``rows`` activation rows take (``bf16``: the activations are bfloat16)."""
@@ -57,7 +67,7 @@ class QuantPolicy:
         if rows <= self.kernel_max_rows:
             return "kernel"
         if bf16 and rows <= self.bf16_kernel_max_rows:
-            return "bf16 kernel"
+            return "amx kernel" if 0 < self.amx_min_rows <= rows else "bf16 kernel"
         return "dequant+matmul"
 
 
@@ -78,8 +88,10 @@ def quant_linear(
         return y.to(x.dtype).view(*x.shape[:-1], out_features)
     bf16 = x.dtype == torch.bfloat16
     path = policy.path(rows, bf16)
-    if path == "bf16 kernel":  # bf16 activations as they are: no float32 copy
-        y = torch.ops.kvserve.quant_matmul_bf16(x2.contiguous(), qweight, qtype, out_features)
+    if path in ("bf16 kernel", "amx kernel"):  # bf16 activations as they are: no float32 copy
+        y = torch.ops.kvserve.quant_matmul_bf16(
+            x2.contiguous(), qweight, qtype, out_features, policy.amx_min_rows
+        )
         return y.to(x.dtype).view(*x.shape[:-1], out_features)
     if path == "dequant+matmul" and policy.native_bf16 and bf16:
         # a bfloat16 model's prefill: bf16 weights x bf16 activations, float32 accumulation

@@ -126,17 +126,20 @@ def measure_kernel_max_rows(
     bf16_kernel: bool = False,
     candidates: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
     repeat: int = 3,
-) -> tuple[int, int]:
+    amx: bool = False,
+) -> tuple[int, int, int]:
     """Row thresholds measured on this machine for this weight: ``(kernel_max_rows,
-    bf16_kernel_max_rows)`` of ``QuantPolicy``.
+    bf16_kernel_max_rows, amx_min_rows)`` of ``QuantPolicy``.
 
     The float32 kernel is kept up to the largest row count at which it is the fastest path;
     from there the bf16 kernel (``bf16_kernel``: a bfloat16 model on a CPU with AVX-512-BF16)
-    up to the largest at which it still beats dequantize + F.linear. Rows are tried in
-    increasing order and each search stops at its first loss (a kernel's cost grows with rows,
-    the dequantized matmul's mostly does not). ``bf16``: the dequantized matmul runs in
-    bfloat16 (a bf16 model on a CPU with native bf16), as ``quant_linear`` then does."""
-    kernel_rows = bf16_rows = 0
+    up to the largest at which it still beats dequantize + F.linear. With ``amx`` (the CPU has
+    AMX-BF16) the bf16 kernel runs through AMX tiles from the first row count at which those
+    beat its VDPBF16PS tiles. Rows are tried in increasing order and each search stops at its
+    first loss (a kernel's cost grows with rows, the dequantized matmul's mostly does not).
+    ``bf16``: the dequantized matmul runs in bfloat16 (a bf16 model on a CPU with native
+    bf16), as ``quant_linear`` then does."""
+    kernel_rows = bf16_rows = amx_rows = 0
     in_kernel = True
     for m in candidates:
         x = torch.randn(m, in_features)
@@ -146,15 +149,24 @@ def measure_kernel_max_rows(
             w = torch.ops.kvserve.dequantize(qweight, qtype, out_features, in_features)
             return F.linear(xb, w.to(torch.bfloat16)) if bf16 else F.linear(x, w)
 
-        dense = best_time(dequantized, repeat)
-        bf16_time = (
-            best_time(
-                lambda xb=xb: torch.ops.kvserve.quant_matmul_bf16(xb, qweight, qtype, out_features),
+        def bf16_op(amx_min_rows: int, xb=xb) -> float:
+            return best_time(
+                lambda: torch.ops.kvserve.quant_matmul_bf16(
+                    xb, qweight, qtype, out_features, amx_min_rows
+                ),
                 repeat,
             )
-            if bf16_kernel
-            else float("inf")
-        )
+
+        dense = best_time(dequantized, repeat)
+        bf16_time = float("inf")
+        if bf16_kernel:
+            bf16_time = bf16_op(0)
+            if amx and not amx_rows:
+                amx_time = bf16_op(1)
+                if amx_time < bf16_time:
+                    amx_rows, bf16_time = m, amx_time
+            elif amx_rows:
+                bf16_time = bf16_op(amx_rows)
         if in_kernel:
             fused = best_time(
                 lambda x=x: torch.ops.kvserve.quant_matmul(x, qweight, qtype, out_features, isa),
@@ -164,9 +176,12 @@ def measure_kernel_max_rows(
             # timing that hands batch-1 decode to the bf16 one costs ~25% of every step
             if fused <= dense and fused <= BF16_MARGIN * bf16_time:
                 kernel_rows = m
+                amx_rows = 0  # AMX only from above the float32 kernel's rows
                 continue
             in_kernel = False
         if bf16_time > dense:
             break
         bf16_rows = m
-    return kernel_rows, bf16_rows
+    if amx_rows > bf16_rows:
+        amx_rows = 0
+    return kernel_rows, bf16_rows, amx_rows

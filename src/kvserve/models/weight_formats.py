@@ -79,7 +79,12 @@ def describe_policy(policy: QuantPolicy) -> str:
     isa = ISA_NAMES[policy.isa if policy.isa >= 0 else 2]
     text = f"kernel ({isa}) up to {policy.kernel_max_rows} rows"
     if policy.bf16_kernel_max_rows > policy.kernel_max_rows:
-        text += f", bf16 kernel (avx512_bf16) up to {policy.bf16_kernel_max_rows}"
+        if policy.amx_min_rows > policy.kernel_max_rows + 1:
+            text += f", bf16 kernel (avx512_bf16) up to {policy.amx_min_rows - 1}"
+        if policy.amx_min_rows:
+            text += f", bf16 kernel on AMX tiles up to {policy.bf16_kernel_max_rows}"
+        else:
+            text += f", bf16 kernel (avx512_bf16) up to {policy.bf16_kernel_max_rows}"
     return text + ", dequant+matmul above"
 
 
@@ -122,8 +127,9 @@ def _policies(
         bf16 = features.native_bf16 and dtype == torch.bfloat16
         # the bf16 kernel needs AVX-512-BF16 itself (AMX-only CPUs have it too, in practice)
         bf16_kernel = bf16 and features.avx512_bf16 and features.avx512
-        rows, bf16_rows = measure_kernel_max_rows(
-            q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16, bf16_kernel
+        amx = bf16_kernel and features.amx_bf16 and torch.ops.kvserve.cpu_has_amx_bf16()
+        rows, bf16_rows, amx_rows = measure_kernel_max_rows(
+            q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16, bf16_kernel, amx=amx
         )
         out[key] = QuantPolicy(
             use_kernels=True,
@@ -131,6 +137,7 @@ def _policies(
             kernel_max_rows=rows,
             native_bf16=bf16,
             bf16_kernel_max_rows=bf16_rows,
+            amx_min_rows=amx_rows,
         )
     return out
 

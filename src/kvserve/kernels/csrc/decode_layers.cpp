@@ -31,7 +31,8 @@
 //   qweights     4 per layer: qkv_proj, o_proj, gate_up_proj, down_proj (GGUF rows, uint8),
 //                qtypes their GGML type ids; bf16[j] != 0: weight j multiplies through the
 //                bf16 kernel (quant_matmul_bf16_raw), its input rounded to bfloat16 first (a
-//                bfloat16 model on an AVX-512-BF16 CPU, at row counts where that is faster)
+//                bfloat16 model on an AVX-512-BF16 CPU, at row counts where that is faster);
+//                bf16[j] == 2: that kernel's AMX tiles (quant_amx.cpp)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -93,10 +94,11 @@ void silu_mul(const float* gu, int64_t rows, int64_t I, float* act) {
 // out (B, N) = in (B, K) @ W^T through the float32 or the bf16 kernel; xb: scratch for the
 // bfloat16 copy of the input.
 void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t qtype,
-             int64_t N, bool bf16, int64_t isa, std::vector<uint16_t>& xb, float* out) {
+             int64_t N, int64_t bf16, int64_t isa, std::vector<uint16_t>& xb, float* out) {
   if (bf16) {
     kvserve_quant::f32_to_bf16(in, B * K, xb.data());
-    kvserve_quant::quant_matmul_bf16_raw(xb.data(), B, K, w.data_ptr<uint8_t>(), qtype, N, out);
+    kvserve_quant::quant_matmul_bf16_raw(xb.data(), B, K, w.data_ptr<uint8_t>(), qtype, N, out,
+                                         bf16 == 2 ? 1 : 0);
   } else {
     quant_matmul_raw(in, B, K, w.data_ptr<uint8_t>(), qtype, N, isa, out);
   }
@@ -165,9 +167,12 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     check_layer_weight(qweights[4 * l + 2], qtypes[4 * l + 2], 2 * I, hidden, "gate_up_proj", l);
     check_layer_weight(qweights[4 * l + 3], qtypes[4 * l + 3], hidden, I, "down_proj", l);
   }
-  for (int64_t j = 0; j < 4 * L; ++j)
+  for (int64_t j = 0; j < 4 * L; ++j) {
+    TORCH_CHECK(bf16[j] >= 0 && bf16[j] <= 2, "decode_layers: bf16[", j, "] is ", bf16[j],
+                "; 0 (float32 kernel), 1 (bf16 kernel) or 2 (bf16 kernel on AMX tiles)");
     TORCH_CHECK(!bf16[j] || kvserve_quant::has_avx512_bf16(), "decode_layers: weight ", j,
                 " asks for the bf16 kernel, which needs AVX-512-BF16 (this CPU lacks it)");
+  }
   TORCH_CHECK(isa >= -1 && isa <= kvserve_isa::kAvx512 && isa <= kvserve_isa::best_isa(),
               "decode_layers: isa ", isa, " is not -1 or a path this CPU supports (best: ",
               kvserve_isa::best_isa(), ")");

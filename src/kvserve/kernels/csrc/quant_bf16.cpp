@@ -182,8 +182,10 @@ void f32_to_bf16(const float* src, int64_t n, uint16_t* dst) {
 }
 
 void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp,
-                           int64_t qtype, int64_t N, float* op) {
+                           int64_t qtype, int64_t N, float* op, int64_t amx_min_rows) {
 #if defined(__x86_64__)
+  if (amx_min_rows > 0 && M >= amx_min_rows && quant_matmul_amx_raw(xp, M, K, wp, qtype, N, op))
+    return;
   const Format& f = *find_format(qtype);
   const IsaKernels& ik = isa_kernels(kAvx512);
   if (M >= kGemmMinRows) return gemm_bf16(xp, M, K, wp, f, ik, N, op);
@@ -223,7 +225,7 @@ void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8
 namespace {
 
 at::Tensor quant_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
-                                 int64_t out_features) {
+                                 int64_t out_features, int64_t amx_min_rows) {
   TORCH_CHECK(has_avx512_bf16(), "kvserve: quant_matmul_bf16 needs AVX-512-BF16, which this "
               "CPU lacks (use quant_matmul with float32 activations)");
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "kvserve: CPU tensors only");
@@ -237,19 +239,23 @@ at::Tensor quant_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight,
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   quant_matmul_bf16_raw(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K,
-                        w.data_ptr<uint8_t>(), qtype, N, out.data_ptr<float>());
+                        w.data_ptr<uint8_t>(), qtype, N, out.data_ptr<float>(), amx_min_rows);
   return out;
 }
 
 bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
+bool cpu_has_amx_bf16() { return has_amx_bf16(); }
 
 }  // namespace
 
 }  // namespace kvserve_quant
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("quant_matmul_bf16(Tensor x, Tensor qweight, int qtype, int out_features) -> Tensor");
+  m.def(
+      "quant_matmul_bf16(Tensor x, Tensor qweight, int qtype, int out_features, "
+      "int amx_min_rows=0) -> Tensor");
   m.def("cpu_has_avx512_bf16() -> bool", &kvserve_quant::cpu_has_avx512_bf16);
+  m.def("cpu_has_amx_bf16() -> bool", &kvserve_quant::cpu_has_amx_bf16);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

@@ -115,9 +115,19 @@ constexpr int64_t kGemmMinRows = 384;  // rows from which quant_matmul takes it 
 bool has_avx512_bf16();
 
 // out (M, N) float32 = x (M, K) bfloat16 @ bf16(dequantize(w)).T (quant_bf16.cpp). No checks:
-// the caller has validated shapes and qtype, and has_avx512_bf16().
+// the caller has validated shapes and qtype, and has_avx512_bf16(). From amx_min_rows rows
+// on (0: never) the AMX tiles of quant_amx.cpp do it where the CPU has them.
 void quant_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
-                           int64_t qtype, int64_t N, float* out);
+                           int64_t qtype, int64_t N, float* out, int64_t amx_min_rows = 0);
+
+// True on an x86-64 Linux CPU with AMX-TILE + AMX-BF16 (and AVX-512-BF16) whose kernel
+// granted this process the tile state.
+bool has_amx_bf16();
+
+// The same product through AMX tiles (quant_amx.cpp); false (nothing written) where the CPU
+// lacks AMX-BF16 or K is not a multiple of 32.
+bool quant_matmul_amx_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
+                          int64_t qtype, int64_t N, float* out);
 
 // dst[i] = bfloat16(src[i]), round to nearest even (AVX-512-BF16 where the CPU has it).
 void f32_to_bf16(const float* src, int64_t n, uint16_t* dst);
