@@ -44,7 +44,9 @@ def pin_kernel_rows(model, rows: int = 64):
     batch, and the step would then -- correctly -- not run fused)."""
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
-            m.policy = replace(m.policy, kernel_max_rows=rows, bf16_kernel_max_rows=0)
+            m.policy = replace(
+                m.policy, kernel_max_rows=rows, bf16_kernel_max_rows=0, amx_min_rows=0
+            )
     return model
 
 
