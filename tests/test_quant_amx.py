@@ -3,9 +3,13 @@
 The same definition as the bf16 kernel's (tests/test_quant_bf16.py): bf16 activations times
 bf16(dequantize(W)), products exact, sums in float32 (computed here in float64). Shapes hit
 every tile edge: activation rows around 16 and 32 (B-tile pairs), weight rows around 16 and 32
-(A-tile pairs), K one tile and several. AMX tiles exist only on Sapphire Rapids and later
-Xeons: elsewhere these skip, saying so, and the op's amx_min_rows argument is a no-op (the
-VDPBF16PS tiles run, tested in test_quant_bf16.py); the policy tests there run everywhere.
+(A-tile pairs), K one tile and several.
+
+AMX tiles exist only on Sapphire Rapids and later Xeons. On a CPU with AVX-512-BF16 but no
+AMX (Zen 4 / 5) the same calls run the op's fallback, the VDPBF16PS tiles, against the same
+definition; without AVX-512-BF16 (Zen 3) the op cannot run and these skip, saying so, while
+the policy tests (here and in test_quant_bf16.py) run everywhere. decode_layers through AMX
+is test_quant_bf16.py::test_fused_decode_through_the_bf16_kernel[amx].
 """
 
 from __future__ import annotations
@@ -13,24 +17,16 @@ from __future__ import annotations
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
-from test_quant_bf16 import definition, wb_abs
-from test_quant_kernels import (
-    kernels,  # noqa: F401 - the fixture: the extension, built
-    random_blocks,
-)
+from test_quant_bf16 import bf16_kernel, definition, wb_abs  # noqa: F401 - the fixture
+from test_quant_kernels import kernels, random_blocks  # noqa: F401 - the fixture it needs
 
 from kvserve.kernels.quant_ops import QuantPolicy
 from kvserve.kernels.quant_ref import SUPPORTED_QTYPES
 
 
-@pytest.fixture(scope="module")
-def amx(kernels: None) -> None:  # noqa: F811 - uses the imported fixture
-    if not torch.ops.kvserve.cpu_has_amx_bf16():
-        pytest.skip("this CPU lacks AMX-BF16: the AMX path is never taken here")
-
-
+@pytest.mark.usefixtures("bf16_kernel")
 @pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
-def test_amx_matches_its_definition(amx: None, qtype: QT) -> None:
+def test_amx_matches_its_definition(qtype: QT) -> None:
     g = torch.Generator().manual_seed(5)
     for k in (256, 768):  # one K-quant block, and three (several A tiles per row)
         for n in (1, 16, 17, 33, 64):
@@ -44,7 +40,8 @@ def test_amx_matches_its_definition(amx: None, qtype: QT) -> None:
                 assert ((got.double() - want).abs() <= bound).all(), (qtype.name, m, n, k)
 
 
-def test_amx_from_its_rows_only(amx: None) -> None:
+@pytest.mark.usefixtures("bf16_kernel")
+def test_amx_from_its_rows_only() -> None:
     """amx_min_rows = 40: 39 rows take the VDPBF16PS tiles, 40 the AMX ones; both agree."""
     w = random_blocks(QT.Q4_1, 48, 256, seed=1)
     x = torch.randn(40, 256).bfloat16()
@@ -72,27 +69,3 @@ def test_policy_path_amx() -> None:
     assert p.path(16, bf16=False) == "dequant+matmul"
     with pytest.raises(ValueError, match="amx_min_rows must be >= 0, and 0 unless"):
         QuantPolicy(use_kernels=True, native_bf16=True, amx_min_rows=8)
-
-
-def test_fused_decode_through_amx(amx: None, tmp_path) -> None:
-    """decode_layers with every weight on the AMX tiles (flag 2) agrees with the eager layers
-    on the same path."""
-    from test_fused_decode import both_ways, load, prefilled
-
-    from kvserve.models.quantized_linear import QuantizedLinear
-
-    model = load(tmp_path, dtype="bfloat16")
-    forced = QuantPolicy(
-        use_kernels=True,
-        kernel_max_rows=0,
-        native_bf16=True,
-        bf16_kernel_max_rows=64,
-        amx_min_rows=1,
-    )
-    for m in model.modules():
-        if isinstance(m, QuantizedLinear):
-            m.policy = forced
-    storage, md, ids, pos = prefilled(model, [6, 11])
-    (eager, eager_kv), (got, got_kv) = both_ways(model, storage, md, ids, pos)
-    torch.testing.assert_close(got.float(), eager.float(), rtol=0.05, atol=0.05)
-    torch.testing.assert_close(got_kv.float(), eager_kv.float(), rtol=0.05, atol=0.05)

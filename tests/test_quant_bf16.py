@@ -113,10 +113,35 @@ def test_never_chosen_without_avx512_bf16(kernels: None, cap: str) -> None:  # n
     assert all(p.bf16_kernel_max_rows == 0 for p in policies.values())
 
 
-def test_fused_decode_through_the_bf16_kernel(bf16_kernel: None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cap", ["avx2", "avx512", "avx512_bf16"])
+def test_amx_never_chosen_below_the_amx_level(kernels: None, cap: str) -> None:  # noqa: F811
+    """Capped below ``amx`` (or on a CPU without it: Zen 3 / Zen 5) no weight takes the AMX
+    tiles; the bf16 kernel or the float32 one runs instead."""
+    features = detect_cpu_features(cap)
+    assert not features.amx_bf16
+    w = random_blocks(QT.Q4_1, 64, 256)
+    policies = _policies(
+        {"w": QuantizedTensor(w, int(QT.Q4_1), (64, 256))},
+        torch.device("cpu"),
+        features,
+        torch.bfloat16,
+    )
+    assert all(p.amx_min_rows == 0 for p in policies.values())
+
+
+@pytest.mark.parametrize("amx_min_rows", [0, 1], ids=["vdpbf16ps", "amx"])
+def test_fused_decode_through_the_bf16_kernel(
+    bf16_kernel: None, tmp_path: Path, amx_min_rows: int
+) -> None:
+    """decode_layers against the eager layers, every weight on the bf16 kernel: its
+    VDPBF16PS tiles, or its AMX ones (flag 2; the VDPBF16PS tiles where the CPU lacks AMX)."""
     model = load(tmp_path, dtype="bfloat16")
     forced = QuantPolicy(
-        use_kernels=True, kernel_max_rows=0, native_bf16=True, bf16_kernel_max_rows=64
+        use_kernels=True,
+        kernel_max_rows=0,
+        native_bf16=True,
+        bf16_kernel_max_rows=64,
+        amx_min_rows=amx_min_rows,
     )
     for m in model.modules():  # every quantized layer, eager and fused, on the bf16 kernel
         if isinstance(m, QuantizedLinear):

@@ -37,6 +37,9 @@ from kvserve.models.quantized_linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
+# decode_layers' per-weight flag for each QuantPolicy path (any other: 0, the float32 kernel)
+KERNEL_FLAGS = {"bf16 kernel": 1, "amx kernel": 2}
+
 
 class FusedDecode:
     """The arguments of ``kvserve::decode_layers`` for one model, gathered once."""
@@ -135,8 +138,7 @@ class FusedDecode:
         rows = input_ids.shape[0]
         flags = self._bf16_flags.get(rows)
         if flags is None:  # the path each weight takes at this many rows (as quant_linear)
-            kinds = {"bf16 kernel": 1, "amx kernel": 2}
-            flags = [kinds.get(p.path(rows, self.bf16), 0) for p in self.policies]
+            flags = [KERNEL_FLAGS.get(p.path(rows, self.bf16), 0) for p in self.policies]
             self._bf16_flags[rows] = flags
         x = inner.embed_tokens(input_ids).float()
         cos, sin = inner.rotary_emb(positions, torch.float32)  # (B, 1, head_dim)
