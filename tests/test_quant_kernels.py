@@ -127,9 +127,51 @@ def test_quant_matmul_matches_reference(kernels: None, qtype: QT, isa: int) -> N
         assert bool((err <= bound).all()), (qtype.name, isa, m, n, k, float((err / bound).max()))
 
 
-# rows from which quant_matmul (float32, AVX-512) and quant_matmul_bf16 switch to the panel
-# GEMM (kGemmMinRows in csrc/quant_kernels.h); 401 = 66 tiles of 6 and a 5-row tail
+# rows past the ones from which quant_matmul (float32: 384 on AVX-512, 64 on AVX2) and
+# quant_matmul_bf16 (384) switch to the panel GEMM (kGemmMinRows* in csrc/quant_kernels.h);
+# 401 = 66 tiles of 6 and a 5-row tail
 GEMM_ROWS = 401
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_panel_gemm_matches_reference_at_every_tile_edge(kernels: None, qtype: QT) -> None:
+    """The panel GEMM forced at any row count (quant_matmul_gemm), on each SIMD path the CPU
+    has: row tails of the 6-row tile, a partial 16-column group and partial 64-row panels,
+    K across 256-value panel chunks."""
+    g = torch.Generator().manual_seed(3)
+    isas = [i for i in supported_isas() if i > 0]
+    if not isas:
+        pytest.skip("the panel GEMM needs the AVX2 or AVX-512 path; this CPU has neither")
+    for n, k in [(5, k_values(qtype)[1]), (70, k_values(qtype)[2]), (130, k_values(qtype)[3])]:
+        w = random_blocks(qtype, n, k, seed=n + 1)
+        wf = dequantize_ref(w, qtype, n, k)
+        for m in (1, 5, 6, 7, 13):
+            x = torch.randn(m, k, generator=g)
+            expected = reference_quant_matmul(x, w, qtype, n)
+            bound = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
+            for isa in isas:
+                got = torch.ops.kvserve.quant_matmul_gemm(x, w, int(qtype), n, isa)
+                err = (got - expected).abs()
+                assert bool((err <= bound).all()), (qtype.name, isa, m, n, k)
+
+
+def test_quant_matmul_takes_the_panel_gemm_from_its_row_threshold(kernels: None) -> None:
+    """At the ISA's threshold quant_matmul is the panel GEMM bit for bit; one row below it, the
+    dot tiles (which sum in another order: not bit-equal on these values)."""
+    qtype, n, k = QT.Q4_1, 70, 576
+    w = random_blocks(qtype, n, k, seed=4)
+    g = torch.Generator().manual_seed(4)
+    for isa in [i for i in supported_isas() if i > 0]:
+        rows = int(torch.ops.kvserve.quant_gemm_min_rows(isa))
+        assert rows == {1: 64, 2: 384}[isa]
+        x = torch.randn(rows, k, generator=g)
+        gemm = torch.ops.kvserve.quant_matmul_gemm(x, w, int(qtype), n, isa)
+        assert torch.equal(torch.ops.kvserve.quant_matmul(x, w, int(qtype), n, isa), gemm)
+        below = torch.ops.kvserve.quant_matmul(x[:-1], w, int(qtype), n, isa)
+        assert not torch.equal(below, gemm[:-1])
+    assert int(torch.ops.kvserve.quant_gemm_min_rows(0)) == -1  # scalar: never
+    with pytest.raises(RuntimeError, match="panel GEMM needs the avx2"):
+        torch.ops.kvserve.quant_matmul_gemm(torch.randn(2, k), w, int(qtype), n, 0)
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
@@ -143,7 +185,7 @@ def test_many_rows_gemm_path_matches_reference(kernels: None, qtype: QT) -> None
         wf = dequantize_ref(w, qtype, n, k)
         expected = reference_quant_matmul(x, w, qtype, n)
         bound = 1e-5 * (x.abs() @ wf.abs().T) + 1e-30
-        for isa in range(best + 1):  # AVX-512: the panel GEMM; AVX2 / scalar: the dot tiles
+        for isa in range(best + 1):  # AVX-512 / AVX2: the panel GEMM; scalar: the dot tiles
             got = torch.ops.kvserve.quant_matmul(x, w, int(qtype), n, isa)
             assert bool(((got - expected).abs() <= bound).all()), (qtype.name, isa, n, k)
         if torch.ops.kvserve.cpu_has_avx512_bf16():
@@ -260,3 +302,41 @@ def test_bf16_dequant_matmul_path_is_bf16_gemm_of_the_reference(kernels: None) -
     want = torch.nn.functional.linear(x, dequantize_ref(w, QT.Q4_1, 33, 96).to(torch.bfloat16))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_one_noisy_loss_does_not_end_the_kernel_range(
+    kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """measure_kernel_max_rows confirms a loss of the kernel with longer timings before it
+    ends the kernel's range: one slow sample (a busy machine at load) once gave a weight
+    "kernel up to 0 rows", and batch-1 decode then dequantized every weight every step."""
+    from kvserve.models import quantized_linear
+
+    calls = {"kernel": 0}
+    real_best_time = quantized_linear.best_time
+
+    def noisy_best_time(fn, repeat):
+        # fn is the dequantized matmul or the kernel; tell them apart by what they call
+        seen = []
+        real_op = torch.ops.kvserve.quant_matmul
+
+        def spy(*a, **k):
+            seen.append(1)
+            return real_op(*a, **k)
+
+        monkeypatch.setattr(torch.ops.kvserve, "quant_matmul", spy)
+        try:
+            t = real_best_time(fn, 1)
+        finally:
+            monkeypatch.setattr(torch.ops.kvserve, "quant_matmul", real_op)
+        if seen:  # the kernel: its first timing at each row count is a stall
+            calls["kernel"] += 1
+            return 1.0 if calls["kernel"] == 1 else 0.0
+        return 0.5  # the dequantized matmul
+
+    monkeypatch.setattr(quantized_linear, "best_time", noisy_best_time)
+    w = random_blocks(QT.Q4_1, 8, 64)
+    rows, bf16_rows, amx_rows = quantized_linear.measure_kernel_max_rows(
+        w, int(QT.Q4_1), 8, 64, isa=-1, candidates=(1, 2)
+    )
+    assert (rows, bf16_rows, amx_rows) == (2, 0, 0)

@@ -188,7 +188,7 @@ void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8
     return;
   const Format& f = *find_format(qtype);
   const IsaKernels& ik = isa_kernels(kAvx512);
-  if (M >= kGemmMinRows) return gemm_bf16(xp, M, K, wp, f, ik, N, op);
+  if (M >= kGemmMinRowsAvx512) return gemm_bf16(xp, M, K, wp, f, ik, N, op);
   const int64_t row_bytes = K / f.block_elems * f.block_bytes;
   const int64_t ntiles = (N + kNR - 1) / kNR;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * kNR));

@@ -1,14 +1,17 @@
-// The many-rows path of kvserve::quant_matmul on AVX-512: an outer-product GEMM over panels of
-// dequantized weights (prefill chunks, big batches).
+// The many-rows path of kvserve::quant_matmul on AVX-512 and on AVX2: an outer-product GEMM
+// over panels of dequantized weights (prefill chunks, big batches).
 //
 // The dot-product tiles of quant_matmul.cpp read an activation vector and a weight vector per
 // FMA pair and reduce every output horizontally; at a few hundred rows they reach ~65% of
-// what oneDNN's packed GEMM does. Here, as in a BLAS micro-kernel:
+// what oneDNN's packed GEMM does (AVX-512), and on AVX2, where their tiles hold only 2
+// activation rows, far less. Here, as in a BLAS micro-kernel:
 //
-//   panel   wT (kc, 64): 64 weight rows x kc values, dequantized (the same decoders) and
-//           transposed so one k holds 64 outputs in 4 vectors
-//   tile    acc (6, 64): 6 activation rows; per k, 4 vector loads of wT, 6 broadcasts of x,
-//           24 FMAs; no horizontal sums
+//   AVX-512  panel wT (kc, 64): 64 weight rows x kc values, dequantized (the same decoders)
+//            and transposed so one k holds 64 outputs in 4 vectors; tile acc (6, 64): per k,
+//            4 vector loads of wT, 6 broadcasts of x, 24 FMAs; no horizontal sums
+//   AVX2     panel (4, kc, 16): the same 64 rows as 4 column groups of 16, each group's
+//            (kc, 16) slice contiguous; tile acc (6, 16) = 12 ymm per group: per k, 2 vector
+//            loads, 6 broadcasts, 12 FMAs (16 ymm registers hold no more)
 //
 // Each output is still sum_k x[m, k] w[n, k] in float32 (sequential in k within a panel
 // chunk, chunks added in order): it differs from dequantize-then-matmul only in summation
@@ -69,24 +72,97 @@ KV_GEMM void transpose_panel(const float* src, int64_t kc, int rows, float* dst)
   for (int r = 0; r < rows; ++r)
     for (int64_t k = 0; k < kc; ++k) dst[k * kPanel + r] = src[r * kc + k];
 }
+
+// ---- AVX2 + FMA ----
+#define KV_GEMM2 __attribute__((target("avx2,fma")))
+
+constexpr int kGroupCols = 16;                     // outputs per AVX2 column group (2 ymm)
+constexpr int kGroups = kPanel / kGroupCols;       // column groups per panel
+
+// One column group: out[m, j] (= or +=) sum_{k < kc} x[m, k] * wg[k, j], m < MB, j < valid.
+template <int MB>
+KV_GEMM2 void gemm_group_avx2(const float* wg, const float* x, int64_t ldx, int64_t kc,
+                              float* out, int64_t ldo, int valid, bool accumulate) {
+  __m256 acc[MB][2];
+  for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w0 = _mm256_load_ps(wg + k * kGroupCols);
+    const __m256 w1 = _mm256_load_ps(wg + k * kGroupCols + 8);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 xb = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[i][0] = _mm256_fmadd_ps(xb, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
+    }
+  }
+  // The accumulators leave registers once, here, through constant indices: an epilogue that
+  // indexes acc at run time made GCC keep acc in memory and store it on every k (2.5x slower).
+  alignas(32) float res[MB][kGroupCols];
+#pragma GCC unroll 8
+  for (int i = 0; i < MB; ++i) {
+    _mm256_store_ps(res[i], acc[i][0]);
+    _mm256_store_ps(res[i] + 8, acc[i][1]);
+  }
+  for (int i = 0; i < MB; ++i) {
+    float* o = out + i * ldo;
+    if (valid == kGroupCols) {
+      __m256 v0 = _mm256_load_ps(res[i]), v1 = _mm256_load_ps(res[i] + 8);
+      if (accumulate) {
+        v0 = _mm256_add_ps(_mm256_loadu_ps(o), v0);
+        v1 = _mm256_add_ps(_mm256_loadu_ps(o + 8), v1);
+      }
+      _mm256_storeu_ps(o, v0);
+      _mm256_storeu_ps(o + 8, v1);
+    } else {  // the last panel's partial group: only `valid` columns exist in out
+      for (int j = 0; j < valid; ++j) o[j] = accumulate ? o[j] + res[i][j] : res[i][j];
+    }
+  }
+}
+
+using GroupTile = void (*)(const float*, const float*, int64_t, int64_t, float*, int64_t, int,
+                           bool);
+constexpr GroupTile kGroupTiles[kMB + 1] = {
+    nullptr,           gemm_group_avx2<1>, gemm_group_avx2<2>, gemm_group_avx2<3>,
+    gemm_group_avx2<4>, gemm_group_avx2<5>, gemm_group_avx2<6>};
+
+// (rows, kc) row-major -> (kGroups, kc, 16): row r lands in group r / 16, column r % 16
+// (rows < 64: the other columns are zero)
+void group_panel(const float* src, int64_t kc, int rows, float* dst) {
+  if (rows < kPanel) std::memset(dst, 0, kc * kPanel * sizeof(float));
+  for (int r = 0; r < rows; ++r) {
+    float* d = dst + (r / kGroupCols) * kc * kGroupCols + r % kGroupCols;
+    for (int64_t k = 0; k < kc; ++k) d[k * kGroupCols] = src[r * kc + k];
+  }
+}
+
+void gemm_tile_avx2(int mb, const float* panel, const float* x, int64_t ldx, int64_t kc,
+                    float* out, int64_t ldo, const uint16_t* masks, bool accumulate) {
+  for (int g = 0; g < kGroups && masks[g]; ++g)
+    kGroupTiles[mb](panel + g * kc * kGroupCols, x, ldx, kc, out + g * kGroupCols, ldo,
+                    __builtin_popcount(masks[g]), accumulate);
+}
 #endif  // __x86_64__
 
 }  // namespace
 
-bool quant_gemm_avx512(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t qtype,
-                       int64_t N, float* op) {
+bool quant_gemm(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t qtype,
+               int64_t N, int64_t isa, float* op) {
 #if defined(__x86_64__)
-  if (best_isa() < kAvx512) return false;
-  panel_gemm<float>(
-      xp, M, K, wp, *find_format(qtype), isa_kernels(kAvx512), N, op, transpose_panel,
-      [](int mb, const float* panel, const float* x, int64_t ldx, int64_t kc, float* out,
-         int64_t ldo, const uint16_t* masks, bool accumulate) {
-        kGemmTiles[mb](panel, x, ldx, kc, out, ldo, masks, accumulate);
-      });
-  return true;
-#else
-  return false;
+  if (isa == kAvx512 && best_isa() >= kAvx512) {
+    panel_gemm<float>(
+        xp, M, K, wp, *find_format(qtype), isa_kernels(kAvx512), N, op, transpose_panel,
+        [](int mb, const float* panel, const float* x, int64_t ldx, int64_t kc, float* out,
+           int64_t ldo, const uint16_t* masks, bool accumulate) {
+          kGemmTiles[mb](panel, x, ldx, kc, out, ldo, masks, accumulate);
+        });
+    return true;
+  }
+  if (isa == kAvx2 && best_isa() >= kAvx2) {
+    panel_gemm<float>(xp, M, K, wp, *find_format(qtype), isa_kernels(kAvx2), N, op, group_panel,
+                      gemm_tile_avx2);
+    return true;
+  }
 #endif
+  return false;
 }
 
 }  // namespace kvserve_quant

@@ -16,7 +16,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <cstdint>
+#include <cstdint>  // INT64_MAX
 
 #include "cpu_isa.h"
 
@@ -82,10 +82,18 @@ using TileFn = void (*)(const float* w, int64_t ldw, const float* x, int64_t ldx
 
 constexpr int kMaxMT = 4;
 
+// One activation row against nr <= kNR weight rows, decoding in registers (no L1 buffer):
+// out[r] = sum_k x[k] * w_r[k] over K values (a multiple of the block size), w_r at
+// w + r * row_bytes. The weight values are the dequantizer's own (same float ops); only the
+// summation order differs from dequantize-then-matmul.
+using GemvFn = void (*)(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K,
+                        float* out);
+
 struct IsaKernels {
   DequantFn dequant[kNumFormats];  // by Format::index
   int max_mt;                      // largest activation-row tile (tile[1..max_mt] are set)
   TileFn tile[kMaxMT + 1];
+  GemvFn gemv[kNumFormats];        // M = 1 in registers, by Format::index; nullptr: none
 };
 
 int64_t best_isa();                        // the best ISA this CPU supports
@@ -105,11 +113,17 @@ const Format& checked_format(int64_t qtype);
 const Format& check_weight(const at::Tensor& qweight, int64_t qtype, int64_t n, int64_t k);
 
 // The many-rows path of quant_matmul_raw (quant_gemm.cpp): out = x @ dequantize(w).T through
-// transposed weight panels; false (nothing written) when the CPU lacks AVX-512.
-bool quant_gemm_avx512(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype,
-                       int64_t N, float* out);
-constexpr int64_t kGemmMinRows = 384;  // rows from which quant_matmul takes it (measured: the
-                                       // dot tiles win below, their activations in L2)
+// weight panels and outer-product tiles, on the AVX-512 or the AVX2 path (`isa`, resolved);
+// false (nothing written) for the scalar path or an ISA the CPU lacks.
+bool quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t qtype,
+                int64_t N, int64_t isa, float* out);
+// Rows from which quant_matmul_raw takes it, per ISA (measured: below, the dot tiles win,
+// their activations in L2). AVX2's dot tiles hold only 2 activation rows, so it wins sooner.
+constexpr int64_t kGemmMinRowsAvx512 = 384;
+constexpr int64_t kGemmMinRowsAvx2 = 64;
+inline int64_t gemm_min_rows(int64_t isa) {
+  return isa == kAvx512 ? kGemmMinRowsAvx512 : isa == kAvx2 ? kGemmMinRowsAvx2 : INT64_MAX;
+}
 
 // True on an x86-64 CPU with AVX-512 (F/BW/VL/DQ) and AVX-512-BF16 (VDPBF16PS).
 bool has_avx512_bf16();

@@ -34,7 +34,7 @@ namespace kvserve_quant {
 
 void quant_matmul_raw(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t qtype,
                       int64_t N, int64_t isa, float* op) {
-  if (isa == kAvx512 && M >= kGemmMinRows && quant_gemm_avx512(xp, M, K, wp, qtype, N, op)) return;
+  if (M >= gemm_min_rows(isa) && quant_gemm(xp, M, K, wp, qtype, N, isa, op)) return;
   const Format& f = *find_format(qtype);
   const IsaKernels& ik = isa_kernels(isa);
   const int64_t row_bytes = K / f.block_elems * f.block_bytes;
@@ -42,6 +42,17 @@ void quant_matmul_raw(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
   // >= ~64k weight values per task, so small matrices do not pay for threads they can't use.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * kNR));
 
+  if (M == 1 && ik.gemv[f.index] != nullptr) {  // batch-1 decode: decoded in registers
+    const GemvFn gemv = ik.gemv[f.index];
+    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kNR;
+        gemv(wp + n0 * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(kNR, N - n0)),
+             xp, K, op + n0);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float wbuf[kNR * kChunk];  // (kNR, kChunk) decoded weights, 16 KiB
     for (int64_t t = t0; t < t1; ++t) {
@@ -133,6 +144,34 @@ at::Tensor quant_matmul_cpu(const at::Tensor& x, const at::Tensor& qweight, int6
   return out;
 }
 
+// The panel GEMM at any row count (tests hold it to the reference at every tile edge;
+// benchmarks time it against the dot tiles); isa -1 = the best, which must have one.
+at::Tensor quant_matmul_gemm_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                                 int64_t out_features, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "kvserve: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "kvserve: x must be a contiguous 2-D float32 tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  check_weight(qweight, qtype, N, K);
+  const int64_t resolved = resolve_isa(isa);
+  TORCH_CHECK(resolved != kScalar, "kvserve: the panel GEMM needs the avx2+fma or avx512 path, "
+              "got isa ", resolved, " (", isa_name(resolved), ")");
+  const at::Tensor w = qweight.contiguous();
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  if (K == 0) return out.zero_();
+  const bool done = quant_gemm(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), qtype, N,
+                               resolved, out.data_ptr<float>());
+  TORCH_INTERNAL_ASSERT(done);
+  return out;
+}
+
+int64_t gemm_min_rows_op(int64_t isa) {
+  const int64_t rows = gemm_min_rows(resolve_isa(isa));
+  return rows == INT64_MAX ? -1 : rows;
+}
+
 at::Tensor dequantize_cpu(const at::Tensor& qweight, int64_t qtype, int64_t out_features,
                           int64_t in_features, int64_t isa) {
   TORCH_CHECK(qweight.device().is_cpu(), "kvserve: CPU tensors only");
@@ -169,11 +208,16 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "dequantize(Tensor qweight, int qtype, int out_features, int in_features, int isa=-1) -> "
       "Tensor");
+  m.def(
+      "quant_matmul_gemm(Tensor x, Tensor qweight, int qtype, int out_features, int isa=-1) -> "
+      "Tensor");
+  m.def("quant_gemm_min_rows(int isa=-1) -> int", &kvserve_quant::gemm_min_rows_op);
   m.def("cpu_isa() -> int", &kvserve_quant::cpu_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("quant_matmul", &kvserve_quant::quant_matmul_cpu);
+  m.impl("quant_matmul_gemm", &kvserve_quant::quant_matmul_gemm_cpu);
   m.impl("dequantize", &kvserve_quant::dequantize_cpu);
 }
 
