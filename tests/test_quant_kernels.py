@@ -326,7 +326,7 @@ def test_one_noisy_loss_does_not_end_the_kernel_range(
 
         monkeypatch.setattr(torch.ops.kvserve, "quant_matmul", spy)
         try:
-            t = real_best_time(fn, 1)
+            real_best_time(fn, 1)
         finally:
             monkeypatch.setattr(torch.ops.kvserve, "quant_matmul", real_op)
         if seen:  # the kernel: its first timing at each row count is a stall
