@@ -126,8 +126,11 @@ inline void dequant_chunk(const Format& f, const IsaKernels& ik, const uint8_t* 
   ik.dequant[f.index](row + k0 / f.block_elems * f.block_bytes, kc / f.block_elems, out);
 }
 
-at::Tensor quant_matmul_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
-                            int64_t out_features, int64_t isa) {
+// The two float32 ops: quant_matmul (the path by row count) and quant_matmul_gemm (the panel
+// GEMM at any row count: tests hold it to the reference at every tile edge, benchmarks time it
+// against the dot tiles; the ISA must have one).
+at::Tensor quant_matmul_checked(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                                int64_t out_features, int64_t isa, bool force_gemm) {
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "kvserve: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "kvserve: x must be a contiguous 2-D float32 tensor, got ", x.scalar_type(), " ",
@@ -135,36 +138,31 @@ at::Tensor quant_matmul_cpu(const at::Tensor& x, const at::Tensor& qweight, int6
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   check_weight(qweight, qtype, N, K);
   const int64_t resolved = resolve_isa(isa);
+  TORCH_CHECK(!force_gemm || resolved != kScalar, "kvserve: the panel GEMM needs the avx2+fma "
+              "or avx512 path, got isa ", resolved, " (", isa_name(resolved), ")");
   const at::Tensor w = qweight.contiguous();
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
-  quant_matmul_raw(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), qtype, N, resolved,
-                   out.data_ptr<float>());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (force_gemm) {
+    const bool done = quant_gemm(xp, M, K, wp, qtype, N, resolved, out.data_ptr<float>());
+    TORCH_INTERNAL_ASSERT(done);  // every non-scalar path has one
+  } else {
+    quant_matmul_raw(xp, M, K, wp, qtype, N, resolved, out.data_ptr<float>());
+  }
   return out;
 }
 
-// The panel GEMM at any row count (tests hold it to the reference at every tile edge;
-// benchmarks time it against the dot tiles); isa -1 = the best, which must have one.
+at::Tensor quant_matmul_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
+                            int64_t out_features, int64_t isa) {
+  return quant_matmul_checked(x, qweight, qtype, out_features, isa, false);
+}
+
 at::Tensor quant_matmul_gemm_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
                                  int64_t out_features, int64_t isa) {
-  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "kvserve: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "kvserve: x must be a contiguous 2-D float32 tensor, got ", x.scalar_type(), " ",
-              x.sizes());
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  check_weight(qweight, qtype, N, K);
-  const int64_t resolved = resolve_isa(isa);
-  TORCH_CHECK(resolved != kScalar, "kvserve: the panel GEMM needs the avx2+fma or avx512 path, "
-              "got isa ", resolved, " (", isa_name(resolved), ")");
-  const at::Tensor w = qweight.contiguous();
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  if (K == 0) return out.zero_();
-  const bool done = quant_gemm(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), qtype, N,
-                               resolved, out.data_ptr<float>());
-  TORCH_INTERNAL_ASSERT(done);
-  return out;
+  return quant_matmul_checked(x, qweight, qtype, out_features, isa, true);
 }
 
 int64_t gemm_min_rows_op(int64_t isa) {
