@@ -94,9 +94,11 @@ def _warmup(model: LlamaForCausalLM, steps: LayerSteps, counts: list[int]) -> Wa
 
 def _check_ok(check: WarmupCheck, dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
-        # fusion reorders float arithmetic, nothing more (measured 1.4e-3 on logits of ~20 at
-        # 2049 tokens, the default model); a compiler bug scrambles logits by whole units
-        return check.max_diff <= 1e-2 and check.top1_agreement >= 0.99
+        # fusion reorders float arithmetic, nothing more (measured on logits of ~20, the
+        # default model: 1.4e-3 at 2049 tokens on a Zen 5, 1.02e-2 over the warm-up counts on
+        # a Zen 3, whose AVX2 code sums in other orders); a compiler bug scrambles logits by
+        # whole units
+        return check.max_diff <= 5e-2 and check.top1_agreement >= 0.99
     # bfloat16/float16: inductor keeps fused intermediates in float32 where eager rounds
     # after every op, so logits legitimately drift over the layers (several units on random
     # tokens measured); a compiler bug would scramble the predictions instead
