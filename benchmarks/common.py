@@ -67,6 +67,14 @@ def resident_weight_bytes(model: nn.Module) -> tuple[int, int]:
     return total - left_out, left_out
 
 
+class PeerCrashed(RuntimeError):
+    """The peer process died by a signal (a segfault, say); ``summary`` is one line."""
+
+    def __init__(self, summary: str, message: str) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+
 class PeerProcess:
     """A peer's benchmark script (benchmarks/peers/*.py) run by the peer's own Python, kept
     running so that its runs alternate with kvserve's without paying its start-up each time.
@@ -107,7 +115,10 @@ class PeerProcess:
         rc = self.proc.wait()
         self._log.flush()
         tail = Path(self.log_path).read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"{self.script} exited ({rc}) before {marker}; log tail:\n{tail}")
+        summary = f"{self.script} exited ({rc}) before {marker}"
+        if rc < 0:  # killed by a signal: a crash inside the peer, not an error it reported
+            raise PeerCrashed(summary, f"{summary}; log tail:\n{tail}")
+        raise RuntimeError(f"{summary}; log tail:\n{tail}")
 
     def run(self) -> dict:
         """One timed run of the peer's workload."""

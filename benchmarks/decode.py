@@ -27,6 +27,7 @@ import torch
 
 from benchmarks import plot
 from benchmarks.common import (
+    PeerCrashed,
     PeerProcess,
     default_peer_python,
     export_hf_dir_model,
@@ -115,6 +116,19 @@ def draw(
     )
 
 
+def start_llama(python: str, gguf, prompt: list[int], new_tokens: int, threads: int):
+    """The llama.cpp peer, ready. If it dies by a signal while warming up (llama.cpp's AMX
+    matmul segfaults on some Xeons, see peers/llama_decode.py), once more without its extra
+    buffer types, saying so: a slower llama.cpp is still a measurement, a crash is none."""
+    args = ["--model", str(gguf), "--prompt-ids", json.dumps(prompt)]
+    args += ["--new-tokens", str(new_tokens), "--threads", str(threads)]
+    try:
+        return PeerProcess(python, "llama_decode.py", args)
+    except PeerCrashed as e:
+        print(f"llama.cpp: {e.summary}; again with --no-extra-bufts", file=sys.stderr)
+        return PeerProcess(python, "llama_decode.py", [*args, "--no-extra-bufts"])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: embedded)")
@@ -153,20 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     llama = None
     gguf = gguf_file(session.path)
     if args.llama_python and gguf is not None:
-        llama = PeerProcess(
-            args.llama_python,
-            "llama_decode.py",
-            [
-                "--model",
-                str(gguf),
-                "--prompt-ids",
-                json.dumps(prompt),
-                "--new-tokens",
-                str(args.new_tokens),
-                "--threads",
-                str(args.threads),
-            ],
-        )
+        llama = start_llama(args.llama_python, gguf, prompt, args.new_tokens, args.threads)
     elif args.llama_python is None:
         print("llama.cpp: not set up (bash benchmarks/peers/setup.sh llama)", file=sys.stderr)
     else:
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     versions = f"torch={torch.__version__}"
     if llama_info:
         versions += f" llama-cpp-python={llama_info['llama_cpp_python']}"
+        if not llama_info.get("extra_bufts", True):
+            versions += " (no AMX/repack buffers: it crashed with them)"
     title = (
         f"decode-1: model={session.path.name} dtype={dtype} threads={args.threads} "
         f"prompt={args.prompt_len} new={args.new_tokens} runs={args.runs} {versions}"

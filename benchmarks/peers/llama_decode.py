@@ -8,7 +8,13 @@ time, tokens/s (new tokens / (TTFT + decode)) and the generated ids. Greedy thro
 It does not import kvserve; benchmarks/decode.py drives it, alternating with kvserve:
 
     printf 'run\\n' | .peers/llama/bin/python benchmarks/peers/llama_decode.py \\
-        --model MODEL.gguf --prompt-ids '[1, 2, 3]' [--new-tokens 128] [--threads 2]
+        --model MODEL.gguf --prompt-ids '[1, 2, 3]' [--new-tokens 128] [--threads 2] \\
+        [--no-extra-bufts]
+
+``--no-extra-bufts`` loads the weights without llama.cpp's extra buffer types (the AMX and
+CPU-repack weight layouts). llama-cpp-python 0.3.36 built natively on an AMX Xeon segfaults
+in ``ggml_backend_amx_mul_mat`` on its first prompt of more than one token (llama.cpp issue
+20824); benchmarks/decode.py retries with this flag when the peer dies that way, and says so.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import sys
 import time
 
 import llama_cpp
+import llama_cpp.llama_cpp as llama_capi
 import numpy as np
 from llama_cpp import Llama
 
@@ -56,8 +63,19 @@ def main() -> None:
     ap.add_argument("--prompt-ids", required=True, help="JSON list of prompt token ids")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-extra-bufts", action="store_true", help="no AMX / repack buffers")
     args = ap.parse_args()
     prompt = json.loads(args.prompt_ids)
+    if args.no_extra_bufts:
+        # Llama() takes no such argument: it reads the defaults through this function
+        defaults = llama_capi.llama_model_default_params
+
+        def without_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_capi.llama_model_default_params = without_extra_bufts
 
     llm = Llama(
         model_path=args.model,
@@ -68,7 +86,7 @@ def main() -> None:
         verbose=False,
     )
     decode(llm, prompt, args.new_tokens)  # warm-up
-    ready = {"llama_cpp_python": llama_cpp.__version__}
+    ready = {"llama_cpp_python": llama_cpp.__version__, "extra_bufts": not args.no_extra_bufts}
     print("PEER_READY " + json.dumps(ready), flush=True)
     for _ in sys.stdin:
         print("PEER_RESULT " + json.dumps(decode(llm, prompt, args.new_tokens)), flush=True)
