@@ -131,6 +131,26 @@ def test_every_isa_path_agrees(tmp_path: Path) -> None:
         torch.testing.assert_close(other, outs[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("intermediate", [1, 7, 16, 37, 1536])
+def test_silu_mul_matches_torch_on_every_isa(intermediate: int) -> None:
+    """kvserve::silu_mul (the fused step's MLP activation) against F.silu(g) * u, on every ISA
+    path the CPU has: row tails (sizes not multiples of 8 / 16), and gates far out on both
+    sides, where exp(-g) overflows (g -> -inf gives -0) or underflows (g -> +inf gives g)."""
+    g = torch.Generator().manual_seed(intermediate)
+    gu = torch.randn(5, 2 * intermediate, generator=g) * 4
+    gu[0, :intermediate] = torch.linspace(-120, 120, intermediate)
+    gu[1, : min(4, intermediate)] = torch.tensor([-1e30, 1e30, 0.0, -0.0])[: min(4, intermediate)]
+    want = torch.nn.functional.silu(gu[:, :intermediate]) * gu[:, intermediate:]
+    for isa in range(int(torch.ops.kvserve.cpu_isa()) + 1):  # scalar, AVX2, AVX-512
+        got = torch.ops.kvserve.silu_mul(gu, isa)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, msg=f"isa {isa}")
+    with pytest.raises(RuntimeError, match="isa 7"):
+        torch.ops.kvserve.silu_mul(gu, 7)
+    with pytest.raises(RuntimeError, match="rows, 2 \\* intermediate"):
+        torch.ops.kvserve.silu_mul(gu[:, :-1] if intermediate > 0 else gu, -1)
+
+
 def test_bfloat16_model_close_to_eager(tmp_path: Path) -> None:
     model = load(tmp_path, dtype="bfloat16")
     storage, md, ids, pos = prefilled(model, [6, 11])

@@ -47,6 +47,7 @@
 
 #include "paged_attention.h"
 #include "quant_kernels.h"
+#include "silu_mul.h"
 
 namespace {
 
@@ -77,18 +78,6 @@ void rotate_heads(float* v, int64_t heads, int64_t D, const float* cos, const fl
 template <typename T>
 inline void store_row(const float* src, int64_t n, T* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);  // RNE for bf16 / f16
-}
-
-// act[i] = silu(g[i]) * u[i] for the (rows, 2I) gate_up output -> (rows, I).
-void silu_mul(const float* gu, int64_t rows, int64_t I, float* act) {
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float *g = gu + r * 2 * I, *u = g + I;
-      float* a = act + r * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-    }
-  });
 }
 
 // out (B, N) = in (B, K) @ W^T through the float32 or the bf16 kernel; xb: scratch for the
@@ -241,7 +230,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
       rms_norm_row(xp + b * hidden, w_post, hidden, eps, &h[b * hidden]);
     project(h.data(), B, hidden, qweights[j + 2], qtypes[j + 2], 2 * I, bf16[j + 2], isa, xb,
             gu.data());
-    silu_mul(gu.data(), B, I, act.data());
+    kvserve_act::silu_mul(gu.data(), B, I, isa, act.data());
     project(act.data(), B, I, qweights[j + 3], qtypes[j + 3], hidden, bf16[j + 3], isa, xb,
             proj.data());
     for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];

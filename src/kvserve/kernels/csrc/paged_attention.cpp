@@ -17,6 +17,7 @@
 // runs on any x86-64. bf16 -> f32 is a 16-bit shift; f16 uses F16C / AVX-512F conversions.
 #include "cpu_isa.h"
 #include "paged_attention.h"
+#include "vec_exp.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -96,23 +97,10 @@ float softmax_scalar(float* s, int64_t n) {
 }
 
 #if defined(__x86_64__)
+using kvserve_vec::exp256;
+using kvserve_vec::exp512;
 #define KV_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-
-// exp(x) for x = score - max <= 0 (Cephes expf, ~1 ulp): n = round(x log2 e),
-// r = x - n ln 2 (in two parts), e^r by a degree-6 polynomial, times 2^n. Clamped at -87.3 so
-// 2^n stays a normal float (the lost tail is < 1e-38 of a sum that is >= 1).
-#define KV_EXP_POLY(V, SET1, FMA, MUL, ADD, MAX, ROUND)                           \
-  x = MAX(x, SET1(-87.3f));                                                       \
-  V n = ROUND(MUL(x, SET1(1.44269504f)));                                         \
-  V r = FMA(n, SET1(2.12194440e-4f), FMA(n, SET1(-0.693359375f), x));            \
-  V y = SET1(1.9875691500e-4f);                                                   \
-  y = FMA(y, r, SET1(1.3981999507e-3f));                                          \
-  y = FMA(y, r, SET1(8.3334519073e-3f));                                          \
-  y = FMA(y, r, SET1(4.1665795894e-2f));                                          \
-  y = FMA(y, r, SET1(1.6666665459e-1f));                                          \
-  y = FMA(y, r, SET1(5.0000001201e-1f));                                          \
-  y = FMA(y, MUL(r, r), ADD(r, SET1(1.f)));
 
 // ---- AVX-512: 16 floats per vector; tails by masked loads -------------------------------
 KV_AVX512 inline __m512 ld512(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -126,13 +114,6 @@ KV_AVX512 inline __m512 ld512(const Half* p, __mmask16 m) {
 KV_AVX512 inline __mmask16 mask16(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
-#define KV_ROUND512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-KV_AVX512 inline __m512 exp512(__m512 x) {
-  KV_EXP_POLY(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps,
-              _mm512_max_ps, KV_ROUND512)
-  return _mm512_scalef_ps(y, n);  // y * 2^n
-}
-
 // head_dim = 16 * ND (64, 128: most models): each K row is loaded and converted once for
 // all G query heads (the generic loop converts it G times), the queries stay in registers.
 template <typename T, int ND>
@@ -243,15 +224,6 @@ KV_AVX2 inline float hsum256(__m256 v) {
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
-#define KV_ROUND256(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-KV_AVX2 inline __m256 exp256(__m256 x) {
-  KV_EXP_POLY(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps,
-              _mm256_max_ps, KV_ROUND256)
-  // y * 2^n: n + 127 into the exponent bits (n >= -126 after the clamp, so still normal)
-  __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
-}
-
 // Four key rows at a time: each query vector load serves 4 rows and the 4 FMA chains are
 // independent (one row at a time made every score a chain of D/8 dependent FMAs plus its own
 // horizontal sum: at 64-row decode on a Zen 3 this pass took twice pv's time); the 4 sums are
