@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from kvserve.engine.limits import MAX_N
+from kvserve.kernels.row_argmax import row_argmax
 from kvserve.penalties import TokenHistory, apply_penalties
 
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
@@ -245,7 +246,7 @@ def sample_batch(
     far, read only by rows with penalties; None: no row has any)."""
     assert logits.dim() == 2 and len(params) == len(generators) == logits.shape[0]
     logits = apply_penalties(logits, params, histories)  # the same tensor without penalties
-    tokens = logits.argmax(dim=-1)  # (B,): the greedy rows' answer, the others' overwritten
+    tokens = row_argmax(logits)  # (B,): the greedy rows' answer, the others' overwritten
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
