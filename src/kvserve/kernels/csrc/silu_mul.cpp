@@ -31,7 +31,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))) void silu_row_
     const __m512 e = kvserve_vec::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
     // exp's clamp keeps e^-g finite; past it the true 1 + e^-g is inf and g / inf is -0
-    s = _mm512_mask_mul_ps(s, _mm512_cmp_ps_mask(gv, lo, _CMP_LT_OQ), gv, _mm512_setzero_ps());
+    const __mmask16 past = _mm512_cmp_ps_mask(gv, lo, _CMP_LT_OQ);
+    s = _mm512_mask_mul_ps(s, past, gv, _mm512_setzero_ps());
     _mm512_mask_storeu_ps(a + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
   }
 }
@@ -45,7 +46,8 @@ __attribute__((target("avx2,fma,f16c"))) void silu_row_avx2(const float* g, cons
     const __m256 e = kvserve_vec::exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
     __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
     // exp's clamp keeps e^-g finite; past it the true 1 + e^-g is inf and g / inf is -0
-    s = _mm256_blendv_ps(s, _mm256_mul_ps(gv, _mm256_setzero_ps()), _mm256_cmp_ps(gv, lo, _CMP_LT_OQ));
+    const __m256 past = _mm256_cmp_ps(gv, lo, _CMP_LT_OQ);
+    s = _mm256_blendv_ps(s, _mm256_mul_ps(gv, _mm256_setzero_ps()), past);
     _mm256_storeu_ps(a + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
   }
   silu_row_scalar(g + nv, u + nv, n - nv, a + nv);
