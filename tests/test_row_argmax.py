@@ -41,7 +41,30 @@ def test_argmax_rows_equals_torch_argmax_on_every_isa(n: int) -> None:
     assert torch.equal(row_argmax(x), want)
     wide = torch.cat([x, torch.full_like(x, float("inf"))], dim=1)
     assert torch.equal(row_argmax(wide[:, :n]), want)  # a non-contiguous view of the rows
-    assert torch.equal(row_argmax(x.double()), x.double().argmax(dim=-1))  # torch's own path
+
+
+@pytest.mark.parametrize("cap", ["none", "avx2"])
+def test_row_argmax_follows_the_cpu_features_cap(cap: str, monkeypatch) -> None:
+    """Under KVSERVE_CPU_FEATURES the op runs the capped path (as every other kernel), and
+    gives the same indices."""
+    calls = []
+    op = torch.ops.kvserve.argmax_rows
+    monkeypatch.setattr(
+        torch.ops.kvserve, "argmax_rows", lambda x, isa=-1: calls.append(isa) or op(x, isa)
+    )
+    monkeypatch.setenv("KVSERVE_CPU_FEATURES", cap)
+    x = cases(37)
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert calls == [{"none": 0, "avx2": 1}[cap]]
+
+
+def test_row_argmax_falls_back_to_torch_where_the_op_does_not_apply(monkeypatch) -> None:
+    """float64 logits, and float32 ones with the kernels off, take torch.argmax."""
+    x = cases(37)
+    monkeypatch.setattr(torch.ops.kvserve, "argmax_rows", lambda *a: pytest.fail("the op ran"))
+    assert torch.equal(row_argmax(x.double()), x.argmax(dim=-1))
+    monkeypatch.setenv("KVSERVE_KERNELS", "0")
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
 
 
 def test_argmax_rows_rejects_bad_input() -> None:
