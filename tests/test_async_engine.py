@@ -247,8 +247,11 @@ def test_a_stream_nobody_reads_is_aborted_at_its_buffer_bound(session: ModelSess
 
     async def main() -> list:
         stream = loop.submit([spec(max_tokens=100)])
-        # nobody reads: the loop aborts once more than 4 events are unread
-        await wait_until(lambda: not engine.has_unfinished_requests())
+        # nobody reads: the loop aborts once more than 4 events are unread. Wait for the
+        # loop thread to close the group, not for an idle engine: the engine is idle too
+        # before the loop has fed the request, and reading then would never fall behind.
+        group = stream._group
+        await wait_until(lambda: group.done and not engine.has_unfinished_requests())
         await asyncio.sleep(0.05)  # let the last call_soon_threadsafe land
         return await drain(stream)
 

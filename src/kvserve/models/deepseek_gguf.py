@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 
 from kvserve.models.deepseek_config import DeepseekConfig, DeepseekRope
+from kvserve.models.gguf_header import GgufHeader
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -138,7 +139,7 @@ def deepseek_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> D
 
 
 def iter_deepseek_gguf_tensors(
-    reader: GGUFReader, config: DeepseekConfig, keep_quantized: bool, quantized_type, dequantize
+    reader: GgufHeader, config: DeepseekConfig, keep_quantized: bool, quantized_type, dequantize
 ) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs; ``quantized_type(data, qtype, shape)`` wraps a block-format
     weight (gguf_checkpoint.QuantizedTensor), ``dequantize(name, data, qtype)`` the rest."""

@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from kvserve.models.config import ModelConfig
+from kvserve.models.gguf_header import GgufHeader, GgufTensor, UnsupportedHeader, read_gguf_header
 
 SUPPORTED_GGML_TYPES = (
     GGMLQuantizationType.F32,
@@ -109,15 +110,31 @@ def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     return meta
 
 
-def read_gguf_config(path: Path) -> tuple[ModelConfig, GGUFReader]:
-    reader = GGUFReader(path)
-    names = {t.name for t in reader.tensors}
-    meta = read_gguf_metadata(reader)
+def open_gguf(path: Path) -> GgufHeader:
+    """Metadata and tensors of a GGUF file: the fast header walk (gguf_header.py), or
+    GGUFReader for the files it does not read."""
+    try:
+        return read_gguf_header(path)
+    except UnsupportedHeader:
+        reader = GGUFReader(path)
+        tensors = [
+            GgufTensor(
+                t.name, GGMLQuantizationType(t.tensor_type), tuple(map(int, t.shape)), t.data
+            )
+            for t in reader.tensors
+        ]
+        return GgufHeader(Path(path), read_gguf_metadata(reader), tensors)
+
+
+def read_gguf_config(path: Path) -> tuple[ModelConfig, GgufHeader]:
+    gguf = open_gguf(path)
+    names = {t.name for t in gguf.tensors}
+    meta = gguf.metadata
     if meta.get("general.architecture") == "deepseek2":  # models/deepseek_gguf.py
         from kvserve.models.deepseek_gguf import deepseek_config_from_gguf
 
-        return deepseek_config_from_gguf(meta, names), reader
-    return ModelConfig.from_gguf(meta, names), reader
+        return deepseek_config_from_gguf(meta, names), gguf
+    return ModelConfig.from_gguf(meta, names), gguf
 
 
 def unpermute_rotary_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -140,14 +157,14 @@ def dequantize_tensor(name: str, data: np.ndarray, qtype: GGMLQuantizationType) 
 
 
 def iter_gguf_tensors(
-    reader: GGUFReader, config: ModelConfig, keep_quantized: bool = True
+    reader: GgufHeader, config: ModelConfig, keep_quantized: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yields (HF name, tensor) per tensor; ``rope_freqs.weight`` keeps its GGUF name.
 
     With ``keep_quantized``, 2-D weights in a ``KEEP_QUANTIZED`` format come as a
     ``QuantizedTensor`` (their bytes, copied out of the memory map); the rest as float32.
     """
-    arch = reader.fields["general.architecture"].contents()
+    arch = reader.metadata["general.architecture"]
     if arch == "deepseek2":  # stacked experts, split kv_b: models/deepseek_gguf.py
         from kvserve.models.deepseek_gguf import iter_deepseek_gguf_tensors
 

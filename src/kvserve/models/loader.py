@@ -29,6 +29,7 @@ from kvserve.models.gguf_checkpoint import (
 from kvserve.models.hf_checkpoint import count_hf_tensors, iter_hf_tensors, read_hf_config
 from kvserve.models.layers import rope_inv_freq
 from kvserve.models.llama import MODEL_REGISTRY, LlamaForCausalLM
+from kvserve.models.row_thresholds import REMEASURE_ENV, RowThresholdCache
 from kvserve.models.weight_formats import WeightsReport, finalize_weights, quantize_linears
 from kvserve.platform import CpuFeatures, auto_dtype, detect_cpu_features
 
@@ -97,12 +98,15 @@ def load_model(
     pack_weights: bool = True,
     quantization: str | None = None,
     features: CpuFeatures | None = None,
+    thresholds: RowThresholdCache | None = None,
 ) -> LoadedModel:
     """Load a HF directory or a GGUF file (``None``: the embedded default model).
 
     GGUF weights in Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized on CPU; ``quantization``
     ("q8_0" | "q4_0") quantizes a checkpoint's float weights at load. ``pack_weights``: on CPU,
     pre-pack dense linear weights for oneDNN where the CPU runs it (weight_formats.py).
+    ``thresholds``: where the quantized matmuls' measured row thresholds are looked up and
+    kept (default: this machine's file, models/row_thresholds.py).
     """
     path = resolve_model_path(model)
     device = torch.device(device)
@@ -131,7 +135,19 @@ def load_model(
         if device.type != "cpu":
             raise ValueError(f"--quantization runs on CPU only, got device {device}")
         quantized = quantize_linears(net, quantization)
-    report = finalize_weights(net, quantized, torch_dtype, device, features, pack_weights)
+    if thresholds is None:
+        thresholds = RowThresholdCache.default(features)
+    report = finalize_weights(
+        net, quantized, torch_dtype, device, features, pack_weights, thresholds
+    )
+    if thresholds.hits:
+        logger.info(
+            "quantized matmul row thresholds of %d weight shapes read from %s (measured before "
+            "on this machine; %s=1 measures again)",
+            thresholds.hits,
+            thresholds.path,
+            REMEASURE_ENV,
+        )
     logger.info(
         "loaded %s (%s, %d layers, %s): weights %s",
         path,

@@ -35,6 +35,7 @@ from kvserve.models.quantized_linear import (
     QuantPolicy,
     measure_kernel_max_rows,
 )
+from kvserve.models.row_thresholds import RowThresholdCache
 from kvserve.platform import CpuFeatures, kernel_isa
 
 logger = logging.getLogger(__name__)
@@ -112,8 +113,10 @@ def _policies(
     device: torch.device,
     features: CpuFeatures,
     dtype: torch.dtype,
+    thresholds: RowThresholdCache | None = None,
 ) -> dict[tuple[int, int, int], QuantPolicy]:
-    """One policy per distinct (qtype, rows, cols): the kernel's row threshold is measured."""
+    """One policy per distinct (qtype, rows, cols): the kernel's row threshold is measured,
+    or read from ``thresholds`` where this machine measured it before."""
     use = device.type == "cpu" and load_kernels()
     isa = kernel_isa(features)
     out: dict[tuple[int, int, int], QuantPolicy] = {}
@@ -128,9 +131,17 @@ def _policies(
         # the bf16 kernel needs AVX-512-BF16 itself (AMX-only CPUs have it too, in practice)
         bf16_kernel = bf16 and features.avx512_bf16 and features.avx512
         amx = bf16_kernel and features.amx_bf16 and torch.ops.kvserve.cpu_has_amx_bf16()
-        rows, bf16_rows, amx_rows = measure_kernel_max_rows(
-            q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16, bf16_kernel, amx=amx
-        )
+        args = {"qtype": q.qtype, "shape": list(q.shape), "isa": isa, "bf16": bf16}
+        args |= {"bf16_kernel": bf16_kernel, "amx": amx}
+        cache_key = thresholds.key(**args) if thresholds is not None else ""
+        found = thresholds.get(cache_key) if thresholds is not None else None
+        if found is None:
+            found = measure_kernel_max_rows(
+                q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16, bf16_kernel, amx=amx
+            )
+            if thresholds is not None:
+                thresholds.put(cache_key, found)
+        rows, bf16_rows, amx_rows = found
         out[key] = QuantPolicy(
             use_kernels=True,
             isa=isa,
@@ -206,6 +217,7 @@ def finalize_weights(
     device: torch.device,
     features: CpuFeatures,
     pack: bool = True,
+    thresholds: RowThresholdCache | None = None,
 ) -> WeightsReport:
     """Swap in the layer each weight takes (see the module docstring); report the result.
 
@@ -214,7 +226,7 @@ def finalize_weights(
     """
     report = WeightsReport()
     fused = fuse_quantized(model, quantized)
-    policies = _policies({**quantized, **fused}, device, features, dtype)
+    policies = _policies({**quantized, **fused}, device, features, dtype, thresholds)
     embed_name = "model.embed_tokens.weight"
     tied = getattr(model.config, "tie_word_embeddings", False)
     for name, q in quantized.items():
