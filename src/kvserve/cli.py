@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.cli_args import (
     add_engine_args,
@@ -29,6 +30,7 @@ from kvserve.cluster import config_from_args as cluster_config_from_args
 from kvserve.cluster import run as run_cluster
 from kvserve.config import EngineConfig
 from kvserve.engine.faults import FAULT_STEPS_ENV, FaultInjector
+from kvserve.engine.limits import RequestLimits
 from kvserve.engine.request import RequestOutput
 from kvserve.eval_cache_cli import add_eval_cache_args, run_eval_cache
 from kvserve.kv import cache_explain
@@ -37,6 +39,10 @@ from kvserve.reference.sessions import generate_once
 from kvserve.reference.verify import verify
 from kvserve.serve_args import add_serve_args, server_config
 from kvserve.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from kvserve.models.model_session import ModelSession
+    from kvserve.sampling import SamplingParams
 
 _SERVER_PORT = ServerConfig().port  # the cluster's router takes the server's default port
 
@@ -123,6 +129,24 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
+def _refuse_early(
+    args: argparse.Namespace,
+    session: ModelSession,
+    prompt_ids: list[int],
+    params: SamplingParams,
+) -> None:
+    """Refuse what the engine would refuse anyway (token ids outside the vocabulary, a
+    request longer than the context) before building it: its compile takes seconds. The KV
+    pool's own limit is the engine's to check, once it is built."""
+    limit = session.config.max_model_len
+    if args.streaming_window is not None or (args.max_model_len or 0) > limit:
+        return  # the engine's length rules (or its error about the flag) apply
+    limits = RequestLimits.dense(
+        session.config.vocab_size, args.max_model_len or limit, session.tokenizer is not None
+    )
+    limits.check(prompt_ids, params)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args, args.logprobs)  # validate flags before the slow model load
     session = open_session(args, show_progress=not args.json)
@@ -151,6 +175,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         logprobs = r.logprobs
     else:
         out: RequestOutput | None = None
+        _refuse_early(args, session, prompt_ids, params)
         llm = make_llm(args, session)
         for out in llm.stream(prompt_ids, params, explain_cache=args.explain_cache):
             if on_text is not None and out.new_text:

@@ -122,6 +122,10 @@ def compile_model(
         reason = "dense oneDNN-packed weights (compile runs on quantized or plain weights)"
         logger.info("model step runs eager: %s", reason)
         return CompileResult(EAGER_STEPS, False, 0.0, reason)
+    if isinstance(model.compiled_steps, CompileResult):
+        # an earlier engine of this process compiled and checked these very weights (a CLI
+        # chat, a server restarting its loop): the same graphs serve, no second trace
+        return model.compiled_steps
     cache_dir = cache_dir or default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     # inductor reads its cache location from the environment when it compiles; kvserve's
@@ -161,4 +165,5 @@ def compile_model(
         check.max_diff,
         check.top1_agreement,
     )
-    return CompileResult(steps, True, seconds, "")
+    model.compiled_steps = CompileResult(steps, True, seconds, "")
+    return model.compiled_steps

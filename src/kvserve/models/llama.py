@@ -122,6 +122,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # engine/compiled_steps.py's CompileResult once an engine compiled (and checked) this
+        # model's layer steps: later engines in the process reuse it instead of tracing again
+        self.compiled_steps = None
 
     @property
     def dtype(self) -> torch.dtype:
