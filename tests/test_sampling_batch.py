@@ -12,6 +12,7 @@ from test_sampling import expected_support, random_logits
 from kvserve import sampling
 from kvserve.sampling import (
     SamplingParams,
+    as_batch,
     batch_logprobs,
     make_generator,
     sample,
@@ -162,3 +163,27 @@ def test_inverse_cdf_draw_never_lands_on_a_zero_probability_token(monkeypatch, u
     probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.0, 0.0, 1.0, 0.0], [1e-30, 0.0, 0.0, 0.0]])
     drawn = sampling._draw(probs, [None] * 3).tolist()
     assert drawn == ([1, 2, 0] if u == 0.0 else [2, 2, 0])
+
+
+def test_as_batch_takes_the_runners_tensor_and_stacks_anything_else() -> None:
+    """The engine's rows are the consecutive rows of one logits tensor: a view of it is the
+    batch, no copy. Rows out of order, repeated (a forked sibling) or from separate tensors
+    are stacked, with the same values."""
+    logits = torch.randn(4, 11)
+    for mode in (torch.no_grad, torch.inference_mode):  # the runner's rows: inference mode
+        with mode():
+            view = as_batch([logits[i] for i in range(4)])
+        assert view.data_ptr() == logits.data_ptr() and torch.equal(view, logits)
+    head = as_batch([logits[i] for i in (1, 2)])  # a run of rows from the middle: a view too
+    assert head.data_ptr() == logits[1].data_ptr() and torch.equal(head, logits[1:3])
+    for rows in (
+        [logits[i] for i in (0, 2, 1, 3)],
+        [logits[0], logits[0], logits[1], logits[2]],
+        [logits[i] for i in (1, 2, 3)] + [torch.randn(11)],
+        [logits[i].clone() for i in range(4)],
+    ):
+        got = as_batch(rows)
+        assert got.data_ptr() != logits.data_ptr()
+        torch.testing.assert_close(got, torch.stack(rows), rtol=0, atol=0)
+    one = as_batch([logits[2]])
+    assert one.shape == (1, 11) and torch.equal(one[0], logits[2])

@@ -275,39 +275,7 @@ inline void store16b(float* out, __m128i q, float s, float b) {
 // dequantize-into-L1 + dot tile took ~2.5x that. Measured on a 2-core AMX Xeon against that
 // path (best of 30, 2 threads): Q4_1 5.8 -> 7.8 GB/s (the default model's 3072 x 576), and
 // Q8_0 (unlike on AVX2: see its kGemv) 9.0-9.5 -> 10.0-11.0 GB/s on the 49152 x 576 lm_head.
-inline __m512i widen16u(const uint8_t* p) {
-  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-struct Q4_0Values16 {
-  static constexpr int kBytes = 18;
-  static void get(const uint8_t* p, __m512* v) {
-    const __m512 d = _mm512_set1_ps(h2f(p));
-    const __m512i q = widen16u(p + 2), m4 = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
-    v[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, m4), eight)), d);
-    v[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)), d);
-  }
-};
-
-struct Q4_1Values16 {
-  static constexpr int kBytes = 20;
-  static void get(const uint8_t* p, __m512* v) {
-    const __m512 d = _mm512_set1_ps(h2f(p)), m = _mm512_set1_ps(h2f(p + 2));
-    const __m512i q = widen16u(p + 4), m4 = _mm512_set1_epi32(0x0F);
-    // d * nibble + m (a multiply, then an add: the dequantizer's rounding)
-    v[0] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m4)), d), m);
-    v[1] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d), m);
-  }
-};
-
-struct Q8_0Values16 {
-  static constexpr int kBytes = 34;
-  static void get(const uint8_t* p, __m512* v) {
-    const __m512 d = _mm512_set1_ps(h2f(p));
-    v[0] = _mm512_mul_ps(cvt16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))), d);
-    v[1] = _mm512_mul_ps(cvt16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18))), d);
-  }
-};
+#include "quant_values16.h"
 
 template <typename Fmt, int NR>
 void gemv_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out) {
