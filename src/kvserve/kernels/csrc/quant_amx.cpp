@@ -147,8 +147,9 @@ KV_AMX void store_tile(const float* ct, float* scratch, float* out, int64_t N, i
 
 // The 32-value formats straight into a tile row: a block is 32 values of k, one A-tile row
 // (kTileK), decoded in registers (quant_values16.h: the dequantizer's float operations) and
-// rounded to bfloat16 as to_bf16_32 does, without the float32 row in between (the AMX path's
-// dequantization measured ~FILL faster this way).
+// rounded to bfloat16 as to_bf16_32 does, without the float32 row in between. Measured on a
+// 2-core Sapphire Rapids guest, best of 20, 2 threads: Q4_1 3072 x 576 at 16 rows 417 -> 314
+// us, 1152 x 576 164 -> 133 us; at 64 rows 5-10% (the tile products dominate there).
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma"))), apply_to = function)
 #else
