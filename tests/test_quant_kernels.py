@@ -127,6 +127,28 @@ def test_quant_matmul_matches_reference(kernels: None, qtype: QT, isa: int) -> N
         assert bool((err <= bound).all()), (qtype.name, isa, m, n, k, float((err / bound).max()))
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda t: t.name)
+def test_few_rows_in_registers_equal_batch_one_bit_for_bit(kernels: None, qtype: QT) -> None:
+    """AVX-512, 2..4 activation rows (the register GEMV of a few decodes): each row of the
+    result is exactly the batch-1 GEMV's for that row alone (same operations per row)."""
+    if 2 not in supported_isas():
+        pytest.skip("CPU lacks AVX-512: its few-rows path is the dot tiles")
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 3, 4, 7, 33):  # odd tails: a weight-row pair and a single row
+        k = 576
+        w = random_blocks(qtype, n, k, seed=n)
+        for m in (2, 3, 4):
+            x = torch.randn(m, k, generator=g)
+            got = torch.ops.kvserve.quant_matmul(x, w, int(qtype), n, 2)
+            alone = torch.cat(
+                [
+                    torch.ops.kvserve.quant_matmul(x[i : i + 1], w, int(qtype), n, 2)
+                    for i in range(m)
+                ]
+            )
+            assert torch.equal(got, alone), (qtype.name, m, n)
+
+
 # rows past the ones from which quant_matmul (float32: 384 on AVX-512, 64 on AVX2) and
 # quant_matmul_bf16 (384) switch to the panel GEMM (kGemmMinRows* in csrc/quant_kernels.h);
 # 401 = 66 tiles of 6 and a 5-row tail

@@ -306,6 +306,66 @@ void gemv(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K
   }
 }
 
+// ---- M = 2..4 in registers (AVX-512): a few decodes at once ----
+//
+// Each weight block is decoded once into registers for all M activation rows; two weight rows
+// at a time, so the 2 x M x 2 accumulators and the M rows' 2 x values stay in registers. Per
+// (activation row, weight row) the operations are gemv_rows' exactly (the same two FMA
+// chains, the same final add and sum), so every row of the result equals what the batch-1
+// GEMV gives for that row alone, bit for bit: a request's logits do not depend on how many
+// others share its step while the step stays in this range. Below it the dot tiles ran over a
+// float32 copy of the weights in L1 (stored, then reloaded per row tile).
+template <typename Fmt, int NR, int MR>
+void gemv_m_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out,
+                 int64_t ldo) {
+  __m512 acc[MR][NR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
+  const int64_t nb = K / 32;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 xv[MR][2];
+    for (int m = 0; m < MR; ++m) {
+      xv[m][0] = _mm512_loadu_ps(x + m * K + 32 * b);
+      xv[m][1] = _mm512_loadu_ps(x + m * K + 32 * b + 16);
+    }
+    for (int r = 0; r < NR; ++r) {
+      __m512 v[2];
+      Fmt::get(w + r * row_bytes + b * Fmt::kBytes, v);
+      for (int m = 0; m < MR; ++m) {
+        acc[m][r][0] = _mm512_fmadd_ps(xv[m][0], v[0], acc[m][r][0]);
+        acc[m][r][1] = _mm512_fmadd_ps(xv[m][1], v[1], acc[m][r][1]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r)
+      out[m * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][r][0], acc[m][r][1]));
+}
+
+template <typename Fmt, int MR>
+void gemv_m_pairs(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K,
+                  float* out, int64_t ldo) {
+  for (int r = 0; r < nr; r += 2) {
+    if (nr - r >= 2)
+      gemv_m_rows<Fmt, 2, MR>(w + r * row_bytes, row_bytes, x, K, out + r, ldo);
+    else
+      gemv_m_rows<Fmt, 1, MR>(w + r * row_bytes, row_bytes, x, K, out + r, ldo);
+  }
+}
+
+template <typename Fmt>
+void gemv_m(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t M, int64_t K,
+            float* out, int64_t ldo) {
+  switch (M) {
+    case 4: return gemv_m_pairs<Fmt, 4>(w, row_bytes, nr, x, K, out, ldo);
+    case 3: return gemv_m_pairs<Fmt, 3>(w, row_bytes, nr, x, K, out, ldo);
+    default: return gemv_m_pairs<Fmt, 2>(w, row_bytes, nr, x, K, out, ldo);
+  }
+}
+
+constexpr GemvMFn kGemvM[kNumFormats] = {gemv_m<Q4_0Values16>, gemv_m<Q4_1Values16>, nullptr,
+                                         nullptr, gemv_m<Q8_0Values16>, nullptr, nullptr};
+
 constexpr GemvFn kGemv[kNumFormats] = {gemv<Q4_0Values16>, gemv<Q4_1Values16>, nullptr,
                                        nullptr, gemv<Q8_0Values16>, nullptr, nullptr};
 }  // namespace avx512
@@ -326,6 +386,7 @@ const IsaKernels& isa_kernels(int64_t isa) {
        dequant_scalar<decode_q6_k, false, 256, 210>},
       1,
       {nullptr, tile_scalar<1>, nullptr, nullptr, nullptr},
+      {},
       {}};
 #if defined(__x86_64__)
   static const IsaKernels avx2{
@@ -334,14 +395,17 @@ const IsaKernels& isa_kernels(int64_t isa) {
       2,
       {nullptr, tile_avx2<1>, tile_avx2<2>, nullptr, nullptr},
       {avx2::kGemv[0], avx2::kGemv[1], avx2::kGemv[2], avx2::kGemv[3], avx2::kGemv[4],
-       avx2::kGemv[5], avx2::kGemv[6]}};
+       avx2::kGemv[5], avx2::kGemv[6]},
+      {}};
   static const IsaKernels avx512{
       {avx512::kDequant[0], avx512::kDequant[1], avx512::kDequant[2], avx512::kDequant[3],
        avx512::kDequant[4], avx512::kDequant[5], avx512::kDequant[6]},
       4,
       {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>},
       {avx512::kGemv[0], avx512::kGemv[1], avx512::kGemv[2], avx512::kGemv[3],
-       avx512::kGemv[4], avx512::kGemv[5], avx512::kGemv[6]}};
+       avx512::kGemv[4], avx512::kGemv[5], avx512::kGemv[6]},
+      {avx512::kGemvM[0], avx512::kGemvM[1], avx512::kGemvM[2], avx512::kGemvM[3],
+       avx512::kGemvM[4], avx512::kGemvM[5], avx512::kGemvM[6]}};
   if (isa == kAvx512) return avx512;
   if (isa == kAvx2) return avx2;
 #endif

@@ -89,11 +89,19 @@ constexpr int kMaxMT = 4;
 using GemvFn = void (*)(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K,
                         float* out);
 
+// M = 2..kMaxGemvM activation rows (x rows K apart) against nr <= kNR weight rows, decoding
+// each block once into registers for all M: out[m * ldo + r]. Each row's result is the batch-1
+// GemvFn's for that row, bit for bit.
+using GemvMFn = void (*)(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t M,
+                         int64_t K, float* out, int64_t ldo);
+constexpr int64_t kMaxGemvM = 4;
+
 struct IsaKernels {
   DequantFn dequant[kNumFormats];  // by Format::index
   int max_mt;                      // largest activation-row tile (tile[1..max_mt] are set)
   TileFn tile[kMaxMT + 1];
   GemvFn gemv[kNumFormats];        // M = 1 in registers, by Format::index; nullptr: none
+  GemvMFn gemv_m[kNumFormats];     // M = 2..kMaxGemvM in registers; nullptr: none
 };
 
 int64_t best_isa();                        // the best ISA this CPU supports

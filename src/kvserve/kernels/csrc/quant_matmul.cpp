@@ -53,6 +53,17 @@ void quant_matmul_raw(const float* xp, int64_t M, int64_t K, const uint8_t* wp, 
     });
     return;
   }
+  if (M >= 2 && M <= kMaxGemvM && ik.gemv_m[f.index] != nullptr) {  // a few decodes
+    const GemvMFn gemv_m = ik.gemv_m[f.index];
+    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kNR;
+        gemv_m(wp + n0 * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(kNR, N - n0)),
+               xp, M, K, op + n0, N);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float wbuf[kNR * kChunk];  // (kNR, kChunk) decoded weights, 16 KiB
     for (int64_t t = t0; t < t1; ++t) {
