@@ -210,14 +210,14 @@ KV_AMX void dequant_panel(const uint8_t* wp, int64_t row_bytes, const Format& f,
   }
 }
 
-// One panel (weight rows [n0, n0 + nr)) against the pairs of activation tiles [mt0, mt1)
-// (mt0, mt1 even): four C tiles accumulate over K per pair, then go to out transposed.
-KV_AMX void panel_times_pairs(const uint16_t* apanel, const uint16_t* xpack, int64_t mt0,
-                              int64_t mt1, int64_t ktiles, int64_t M, int64_t N, int64_t n0,
-                              int nr, float* ct, float* scratch, float* out) {
+// One panel (weight rows [n0, n0 + nr)) against every pair of activation tiles (mtiles is
+// even): four C tiles accumulate over K per pair, then go to out transposed.
+KV_AMX void panel_times_pairs(const uint16_t* apanel, const uint16_t* xpack, int64_t mtiles,
+                              int64_t ktiles, int64_t M, int64_t N, int64_t n0, int nr,
+                              float* ct, float* scratch, float* out) {
   const uint16_t* a0 = apanel;
   const uint16_t* a1 = apanel + ktiles * kTileElems;
-  for (int64_t mt = mt0; mt < mt1; mt += 2) {
+  for (int64_t mt = 0; mt < mtiles; mt += 2) {
     const uint16_t* b0 = xpack + mt * ktiles * kTileElems;
     const uint16_t* b1 = b0 + ktiles * kTileElems;
     _tile_zero(0);
@@ -275,7 +275,7 @@ KV_AMX void amx_panels(int64_t p0, int64_t p1, const uint16_t* xpack, int64_t M,
     const int64_t n0 = p * 2 * kT;
     const int nr = static_cast<int>(std::min<int64_t>(2 * kT, N - n0));
     dequant_panel(wp, row_bytes, f, ik, K, n0, nr, row, apanel);
-    panel_times_pairs(apanel, xpack, 0, mtiles, ktiles, M, N, n0, nr, ct, scratch, out);
+    panel_times_pairs(apanel, xpack, mtiles, ktiles, M, N, n0, nr, ct, scratch, out);
   }
   std::free(row);
   std::free(apanel);

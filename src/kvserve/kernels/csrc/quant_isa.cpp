@@ -313,8 +313,8 @@ void gemv(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K
 // (activation row, weight row) the operations are gemv_rows' exactly (the same two FMA
 // chains, the same final add and sum), so every row of the result equals what the batch-1
 // GEMV gives for that row alone, bit for bit: a request's logits do not depend on how many
-// others share its step while the step stays in this range. Below it the dot tiles ran over a
-// float32 copy of the weights in L1 (stored, then reloaded per row tile).
+// others share its step while the step stays in this range. (Before, 2-4 rows took the dot
+// tiles over a float32 copy of the weights in L1, stored and then reloaded per row tile.)
 template <typename Fmt, int NR, int MR>
 void gemv_m_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out,
                  int64_t ldo) {
