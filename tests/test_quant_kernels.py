@@ -127,26 +127,34 @@ def test_quant_matmul_matches_reference(kernels: None, qtype: QT, isa: int) -> N
         assert bool((err <= bound).all()), (qtype.name, isa, m, n, k, float((err / bound).max()))
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q8_0], ids=lambda t: t.name)
-def test_few_rows_in_registers_equal_batch_one_bit_for_bit(kernels: None, qtype: QT) -> None:
-    """AVX-512, 2..4 activation rows (the register GEMV of a few decodes): each row of the
-    result is exactly the batch-1 GEMV's for that row alone (same operations per row)."""
-    if 2 not in supported_isas():
-        pytest.skip("CPU lacks AVX-512: its few-rows path is the dot tiles")
+# (isa, qtype) with a register GEMV for 2-4 rows: AVX2 for the 4-bit formats, AVX-512 for
+# those and Q8_0
+FEW_ROWS_GEMV = [(1, QT.Q4_0), (1, QT.Q4_1), (2, QT.Q4_0), (2, QT.Q4_1), (2, QT.Q8_0)]
+
+
+@pytest.mark.parametrize(("isa", "qtype"), FEW_ROWS_GEMV, ids=lambda v: getattr(v, "name", v))
+def test_few_rows_in_registers_equal_batch_one_bit_for_bit(
+    kernels: None, isa: int, qtype: QT
+) -> None:
+    """2..4 activation rows (the register GEMV of a few decodes): each row of the result is
+    exactly the batch-1 GEMV's for that row alone (the same operations per row). The dot
+    tiles that took these rows before differ from batch 1 in the last bits."""
+    if isa not in supported_isas():
+        pytest.skip(f"CPU lacks isa {isa} (test_unsupported_isa_raises covers it)")
     g = torch.Generator().manual_seed(3)
-    for n in (1, 3, 4, 7, 33):  # odd tails: a weight-row pair and a single row
+    for n in (1, 3, 4, 7, 33):  # odd tails: a weight-row pair and a single row (AVX-512)
         k = 576
         w = random_blocks(qtype, n, k, seed=n)
         for m in (2, 3, 4):
             x = torch.randn(m, k, generator=g)
-            got = torch.ops.kvserve.quant_matmul(x, w, int(qtype), n, 2)
+            got = torch.ops.kvserve.quant_matmul(x, w, int(qtype), n, isa)
             alone = torch.cat(
                 [
-                    torch.ops.kvserve.quant_matmul(x[i : i + 1], w, int(qtype), n, 2)
+                    torch.ops.kvserve.quant_matmul(x[i : i + 1], w, int(qtype), n, isa)
                     for i in range(m)
                 ]
             )
-            assert torch.equal(got, alone), (qtype.name, m, n)
+            assert torch.equal(got, alone), (qtype.name, isa, m, n)
 
 
 # rows past the ones from which quant_matmul (float32: 384 on AVX-512, 64 on AVX2) and

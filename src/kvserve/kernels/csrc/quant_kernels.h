@@ -101,7 +101,7 @@ struct IsaKernels {
   int max_mt;                      // largest activation-row tile (tile[1..max_mt] are set)
   TileFn tile[kMaxMT + 1];
   GemvFn gemv[kNumFormats];        // M = 1 in registers, by Format::index; nullptr: none
-  GemvMFn gemv_m[kNumFormats];     // M = 2..kMaxGemvM in registers; nullptr: none
+  GemvMFn gemv_m[kNumFormats];     // M = 2..kMaxGemvM in registers; nullptr: none (the dot tiles)
 };
 
 int64_t best_isa();                        // the best ISA this CPU supports
