@@ -209,63 +209,50 @@ struct Q4_1Values {
   }
 };
 
-template <typename Fmt, int NR>
-void gemv_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out) {
-  __m256 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+// NR weight rows x MR activation rows (x rows K apart): out[m * ldo + r]. Batch 1 takes up to
+// kNR weight rows (x's 4 vectors of a block loaded once for all of them); 2..4 activation rows
+// take one weight row at a time (16 ymm registers: 2 accumulators per activation row and the 4
+// decoded vectors, x read from L1 as FMA operands). Each block is decoded once for all MR
+// rows, and per (activation row, weight row) the operations are the same whatever MR: every
+// row of a few-rows product equals the batch-1 result for that row, bit for bit. Measured with
+// this path on the AMX Xeon (best of 20, 2 threads) against the dot tiles that took 2-4 rows
+// before: Q4_1 1536 x 576 at 2 rows 149 -> 99 us, at 4 rows 204 -> 122; the 49152 x 576 lm_head
+// at 4 rows 6.6 -> 4.1 ms. Not measured on a Zen 3.
+template <typename Fmt, int NR, int MR>
+void gemv_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out,
+               int64_t ldo) {
+  __m256 acc[MR][NR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r][0] = acc[m][r][1] = _mm256_setzero_ps();
   const int64_t nb = K / 32;
   for (int64_t b = 0; b < nb; ++b) {
-    const float* xb = x + 32 * b;
-    const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8),
-                 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
 #pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       __m256 v[4];
       Fmt::get(w + r * row_bytes + b * Fmt::kBytes, v);
-      acc[r][0] = _mm256_fmadd_ps(x0, v[0], acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x1, v[1], acc[r][1]);
-      acc[r][0] = _mm256_fmadd_ps(x2, v[2], acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x3, v[3], acc[r][1]);
+      for (int m = 0; m < MR; ++m) {
+        const float* xb = x + m * K + 32 * b;
+        acc[m][r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v[0], acc[m][r][0]);
+        acc[m][r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v[1], acc[m][r][1]);
+        acc[m][r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v[2], acc[m][r][0]);
+        acc[m][r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], acc[m][r][1]);
+      }
     }
   }
+  for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r) out[r] = hsum_avx2(_mm256_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < NR; ++r)
+      out[m * ldo + r] = hsum_avx2(_mm256_add_ps(acc[m][r][0], acc[m][r][1]));
 }
 
 template <typename Fmt>
 void gemv(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K, float* out) {
   switch (nr) {
-    case 4: return gemv_rows<Fmt, 4>(w, row_bytes, x, K, out);
-    case 3: return gemv_rows<Fmt, 3>(w, row_bytes, x, K, out);
-    case 2: return gemv_rows<Fmt, 2>(w, row_bytes, x, K, out);
-    default: return gemv_rows<Fmt, 1>(w, row_bytes, x, K, out);
+    case 4: return gemv_rows<Fmt, 4, 1>(w, row_bytes, x, K, out, 0);
+    case 3: return gemv_rows<Fmt, 3, 1>(w, row_bytes, x, K, out, 0);
+    case 2: return gemv_rows<Fmt, 2, 1>(w, row_bytes, x, K, out, 0);
+    default: return gemv_rows<Fmt, 1, 1>(w, row_bytes, x, K, out, 0);
   }
-}
-
-// M = 2..4 (a few decodes): each block decoded once for all rows, one weight row at a time
-// (16 ymm registers: 2 accumulators per activation row and the 4 decoded vectors; x read
-// from L1 as FMA operands). Per (activation row, weight row) the operations are gemv_rows'
-// exactly, so each row equals the batch-1 result for that row, bit for bit (as on AVX-512).
-// Measured with the AVX2 path on the AMX Xeon (best of 20, 2 threads) against the dot tiles
-// that took these rows before: Q4_1 1536 x 576 at 2 rows 149 -> 99 us, at 4 rows 204 -> 122;
-// the 49152 x 576 lm_head at 4 rows 6.6 -> 4.1 ms. Not measured on a Zen 3.
-template <typename Fmt, int MR>
-void gemv_m_rows(const uint8_t* w, const float* x, int64_t K, float* out, int64_t ldo) {
-  __m256 acc[MR][2];
-  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  const int64_t nb = K / 32;
-  for (int64_t b = 0; b < nb; ++b) {
-    __m256 v[4];
-    Fmt::get(w + b * Fmt::kBytes, v);
-    for (int m = 0; m < MR; ++m) {
-      const float* xb = x + m * K + 32 * b;
-      acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), v[0], acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), v[1], acc[m][1]);
-      acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), v[2], acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), v[3], acc[m][1]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) out[m * ldo] = hsum_avx2(_mm256_add_ps(acc[m][0], acc[m][1]));
 }
 
 template <typename Fmt>
@@ -273,9 +260,9 @@ void gemv_m(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t
             float* out, int64_t ldo) {
   for (int r = 0; r < nr; ++r, w += row_bytes, ++out) {
     switch (M) {
-      case 4: gemv_m_rows<Fmt, 4>(w, x, K, out, ldo); break;
-      case 3: gemv_m_rows<Fmt, 3>(w, x, K, out, ldo); break;
-      default: gemv_m_rows<Fmt, 2>(w, x, K, out, ldo);
+      case 4: gemv_rows<Fmt, 1, 4>(w, row_bytes, x, K, out, ldo); break;
+      case 3: gemv_rows<Fmt, 1, 3>(w, row_bytes, x, K, out, ldo); break;
+      default: gemv_rows<Fmt, 1, 2>(w, row_bytes, x, K, out, ldo);
     }
   }
 }
@@ -308,7 +295,7 @@ inline void store16b(float* out, __m128i q, float s, float b) {
 }
 #include "quant_simd.h"
 
-// ---- M = 1 in registers (AVX-512): the 4-bit 32-value formats ----
+// ---- M = 1..4 in registers (AVX-512): the 32-value formats ----
 //
 // As the AVX2 gemv above, on 16 lanes: a block's 16 code bytes widen to one vector of 16
 // int32 (vpmovzxbd from memory); its low nibbles are values 0-15, its high ones 16-31, each
@@ -318,47 +305,17 @@ inline void store16b(float* out, __m128i q, float s, float b) {
 // Q8_0 (unlike on AVX2: see its kGemv) 9.0-9.5 -> 10.0-11.0 GB/s on the 49152 x 576 lm_head.
 #include "quant_values16.h"
 
-template <typename Fmt, int NR>
-void gemv_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out) {
-  __m512 acc[NR][2];
-  for (int r = 0; r < NR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const int64_t nb = K / 32;
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
-#pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) {
-      __m512 v[2];
-      Fmt::get(w + r * row_bytes + b * Fmt::kBytes, v);
-      acc[r][0] = _mm512_fmadd_ps(x0, v[0], acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(x1, v[1], acc[r][1]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < NR; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-}
-
-template <typename Fmt>
-void gemv(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K, float* out) {
-  switch (nr) {
-    case 4: return gemv_rows<Fmt, 4>(w, row_bytes, x, K, out);
-    case 3: return gemv_rows<Fmt, 3>(w, row_bytes, x, K, out);
-    case 2: return gemv_rows<Fmt, 2>(w, row_bytes, x, K, out);
-    default: return gemv_rows<Fmt, 1>(w, row_bytes, x, K, out);
-  }
-}
-
-// ---- M = 2..4 in registers (AVX-512): a few decodes at once ----
-//
-// Each weight block is decoded once into registers for all M activation rows; two weight rows
-// at a time, so the 2 x M x 2 accumulators and the M rows' 2 x values stay in registers. Per
-// (activation row, weight row) the operations are gemv_rows' exactly (the same two FMA
-// chains, the same final add and sum), so every row of the result equals what the batch-1
-// GEMV gives for that row alone, bit for bit: a request's logits do not depend on how many
-// others share its step while the step stays in this range. (Before, 2-4 rows took the dot
-// tiles over a float32 copy of the weights in L1, stored and then reloaded per row tile.)
+// NR weight rows x MR activation rows (x rows K apart): out[m * ldo + r]. Batch 1 takes up to
+// kNR weight rows; 2..4 activation rows (a few decodes) two weight rows at a time, so the
+// 2 x MR x 2 accumulators and the MR rows' 2 x vectors stay in registers. Each block is
+// decoded once for all MR rows, and per (activation row, weight row) the operations are the
+// same whatever MR: every row of a few-rows product equals the batch-1 result for that row,
+// bit for bit, so a request's logits do not depend on how many others share its step while
+// the step stays in this range. (Before, 2-4 rows took the dot tiles over a float32 copy of
+// the weights in L1, stored and then reloaded per row tile.)
 template <typename Fmt, int NR, int MR>
-void gemv_m_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out,
-                 int64_t ldo) {
+void gemv_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K, float* out,
+               int64_t ldo) {
   __m512 acc[MR][NR][2];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
@@ -369,6 +326,7 @@ void gemv_m_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
       xv[m][0] = _mm512_loadu_ps(x + m * K + 32 * b);
       xv[m][1] = _mm512_loadu_ps(x + m * K + 32 * b + 16);
     }
+#pragma GCC unroll 4
     for (int r = 0; r < NR; ++r) {
       __m512 v[2];
       Fmt::get(w + r * row_bytes + b * Fmt::kBytes, v);
@@ -379,8 +337,19 @@ void gemv_m_rows(const uint8_t* w, int64_t row_bytes, const float* x, int64_t K,
     }
   }
   for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
     for (int r = 0; r < NR; ++r)
       out[m * ldo + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][r][0], acc[m][r][1]));
+}
+
+template <typename Fmt>
+void gemv(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t K, float* out) {
+  switch (nr) {
+    case 4: return gemv_rows<Fmt, 4, 1>(w, row_bytes, x, K, out, 0);
+    case 3: return gemv_rows<Fmt, 3, 1>(w, row_bytes, x, K, out, 0);
+    case 2: return gemv_rows<Fmt, 2, 1>(w, row_bytes, x, K, out, 0);
+    default: return gemv_rows<Fmt, 1, 1>(w, row_bytes, x, K, out, 0);
+  }
 }
 
 template <typename Fmt, int MR>
@@ -388,9 +357,9 @@ void gemv_m_pairs(const uint8_t* w, int64_t row_bytes, int nr, const float* x, i
                   float* out, int64_t ldo) {
   for (int r = 0; r < nr; r += 2) {
     if (nr - r >= 2)
-      gemv_m_rows<Fmt, 2, MR>(w + r * row_bytes, row_bytes, x, K, out + r, ldo);
+      gemv_rows<Fmt, 2, MR>(w + r * row_bytes, row_bytes, x, K, out + r, ldo);
     else
-      gemv_m_rows<Fmt, 1, MR>(w + r * row_bytes, row_bytes, x, K, out + r, ldo);
+      gemv_rows<Fmt, 1, MR>(w + r * row_bytes, row_bytes, x, K, out + r, ldo);
   }
 }
 
