@@ -16,6 +16,11 @@ and V are each stored in a ``kvserve.kv.cache_dtype.CacheDtype`` (int8, int4_sym
 fp8_e4m3 codes with float16 scales, or a float dtype): ``benchmarks/kv_dtype_attention.py``
 measured every quantized format faster than the float kernel over bfloat16 at B 8 and 64
 (1.1-1.3x at 2048 tokens from L3, 1.6-1.8x at B 64 from DRAM).
+
+``torch.ops.kvserve.paged_prefill_attention`` attends the prefill chunks of a step, all in one
+call, over a bfloat16 cache through AMX tiles (CPUs with AMX-BF16), instead of one gather and
+one SDPA call per request: 1.6x faster than that on a 2-core Sapphire Rapids guest for eight
+requests of 32..512 tokens (2 threads, best of 40, a throwaway timing script).
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import torch
 
 from kvserve.kernels.build import load_kernels
 from kvserve.platform import CPU_FEATURES_ENV, detect_cpu_features, kernel_isa
+
+# the prefill kernel's tiles: head_dim a multiple of 64 (4 C tiles of output dims) up to 256
+PREFILL_HEAD_DIMS = range(64, 257, 64)
 
 ISA_BEST = -1  # the kernels pick the best path the CPU has
 
@@ -41,6 +49,20 @@ def default_isa() -> int:
     so a capped run exercises the path a smaller machine would take."""
     cap = os.environ.get(CPU_FEATURES_ENV, "")
     return _isa_for_cap(cap) if cap else ISA_BEST
+
+
+@functools.cache
+def _amx_for_cap(cap: str) -> bool:
+    return detect_cpu_features(cap).amx_bf16 and bool(torch.ops.kvserve.cpu_has_amx_bf16())
+
+
+def prefill_kernel_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """True when ``paged_prefill_attention`` can serve prefill chunks: CPU with AMX-BF16 (not
+    capped away by KVSERVE_CPU_FEATURES), extension loaded, a bfloat16 cache and queries, and
+    a head_dim in PREFILL_HEAD_DIMS. Elsewhere prefill stays on SDPA."""
+    if not (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS):
+        return False
+    return load_kernels() and _amx_for_cap(os.environ.get(CPU_FEATURES_ENV, ""))
 
 
 def decode_kernel_available(device: torch.device) -> bool:
@@ -70,6 +92,32 @@ def paged_decode_attention(
     isa = default_isa() if isa is None else isa
     return torch.ops.kvserve.paged_decode_attention(
         q, key_cache, value_cache, block_tables, seq_lens, scale, isa
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks over the paged cache, read in place through the block
+    tables, on AMX tiles (``csrc/prefill_attention_amx.cpp``; ``prefill_kernel_available``
+    says where it runs).
+
+    q: (T, num_heads, head_dim) bfloat16, request b owning rows [query_start_loc[b],
+    query_start_loc[b + 1]); key_cache / value_cache (num_blocks, block_size, num_kv_heads,
+    head_dim) bfloat16 with this step's K/V already written; block_tables (B, max_blocks)
+    int64; seq_lens (B,) int64, tokens cached after this step. Request b's queries are its last
+    tokens: query t sees keys 0 .. seq_lens[b] - n_b + t, as ``causal_attention``. Returns
+    (T, num_heads, head_dim) bfloat16; bf16 products summed in float32, the probabilities
+    rounded to bfloat16 as SDPA's flash kernel does.
+    """
+    return torch.ops.kvserve.paged_prefill_attention(
+        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
     )
 
 

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "quant_kernels.h"
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -60,31 +61,11 @@ bool has_amx_bf16() {
 #if defined(KV_HAVE_AMX)
 namespace {
 
-#define KV_AMX \
-  __attribute__((target("amx-tile,amx-bf16,avx512bf16,avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+using kvserve_amx::configure_tiles;
 
 constexpr int kT = 16;         // tile rows (and 32-bit columns)
 constexpr int kTileK = 32;     // bf16 values of k per tile row
 constexpr int kTileElems = kT * kTileK;  // bf16 values per A or B tile (1 KiB)
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-KV_AMX void configure_tiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {  // every tile 16 rows x 64 bytes
-    cfg.rows[t] = kT;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // x (M, K) bf16 -> B tiles [m tile][k tile][16 k pairs][16 rows][2], rows >= M zero
 void pack_activations(const uint16_t* x, int64_t M, int64_t K, int64_t mtiles, uint16_t* dst) {
