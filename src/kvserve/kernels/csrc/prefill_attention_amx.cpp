@@ -42,29 +42,55 @@ namespace {
 
 constexpr int kT = 16;    // tile rows
 constexpr int kKB = 64;   // keys per block of the loop: 4 key tiles
+constexpr int kTileK = 32;  // bf16 values per tile row
 
 #if defined(__x86_64__) && defined(__linux__)
 
-// Keys [0, L) of one KV head -> nkb blocks of Kp and Vp (see the top), zero past L.
-void pack_head(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L,
-               int64_t nkb, int64_t bs, int64_t KVH, int64_t D, int64_t h, uint16_t* kp,
-               uint16_t* vp) {
-  const int64_t kts = D / 32, dts = D / 16, per_block = int64_t(kKB) * D;
-  std::memset(kp, 0, nkb * per_block * sizeof(uint16_t));
-  std::memset(vp, 0, nkb * per_block * sizeof(uint16_t));
-  for (int64_t j = 0; j < L; ++j) {
-    const int64_t off = ((table[j / bs] * bs + j % bs) * KVH + h) * D;
-    const uint32_t* krow = reinterpret_cast<const uint32_t*>(kc + off);  // dim pairs
-    const uint16_t* vrow = vc + off;
-    const int64_t kb = j / kKB, jj = j % kKB;
-    uint32_t* kblk = reinterpret_cast<uint32_t*>(kp + kb * per_block);
-    const int64_t nt = jj / kT, c = jj % kT;
-    for (int64_t kt = 0; kt < kts; ++kt)
-      for (int dp = 0; dp < kT; ++dp) kblk[((nt * kts + kt) * kT + dp) * kT + c] = krow[kt * kT + dp];
-    uint16_t* vblk = vp + kb * per_block;
-    const int64_t half = jj / 32, pair = (jj % 32) / 2, s = jj % 2;
-    for (int64_t d = 0; d < D; ++d)
-      vblk[(((half * dts + d / kT) * kT + pair) * kT + d % kT) * 2 + s] = vrow[d];
+using kvserve_amx::transpose16;
+
+// Keys [0, L) of one KV head -> nkb blocks of Kp and Vp (see the top), zero past L. Per 16
+// keys (one key tile): K's dim pairs are a 16 x 16 transpose of 32-bit words; V's key pairs
+// interleave two rows' bf16 values.
+KV_AMX void pack_head(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L,
+                      int64_t nkb, int64_t bs, int64_t KVH, int64_t D, int64_t h, uint16_t* kp,
+                      uint16_t* vp) {
+  alignas(64) static const uint16_t zeros[256] = {};  // a row past L (D <= 256)
+  alignas(64) uint32_t words[kT * kT];
+  const int64_t kts = D / 32, dts = D / 16, per_block = int64_t(kKB) * D, full = L / kKB;
+  if (nkb > full) {  // the partial last block: its keys past L stay zero
+    std::memset(kp + full * per_block, 0, per_block * sizeof(uint16_t));
+    std::memset(vp + full * per_block, 0, per_block * sizeof(uint16_t));
+  }
+  // (a0..a15, b0..b15) -> a0 b0 a1 b1 ... a15 b15: one V tile row
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
+                                              9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
+                                              17, 1, 16, 0);
+  for (int64_t j0 = 0; j0 < L; j0 += kT) {
+    const uint16_t *krow[kT], *vrow[kT];
+    for (int64_t r = 0; r < kT; ++r) {
+      const int64_t j = j0 + r;
+      const int64_t off = j < L ? ((table[j / bs] * bs + j % bs) * KVH + h) * D : -1;
+      krow[r] = off < 0 ? zeros : kc + off;
+      vrow[r] = off < 0 ? zeros : vc + off;
+    }
+    const int64_t kb = j0 / kKB, jj = j0 % kKB;
+    uint16_t* kblk = kp + kb * per_block + (jj / kT) * kts * kT * kTileK;
+    for (int64_t kt = 0; kt < kts; ++kt) {  // 16 keys x 16 dim pairs -> 16 dim pairs x 16 keys
+      for (int r = 0; r < kT; ++r)
+        _mm512_store_si512(words + r * kT, _mm512_loadu_si512(krow[r] + kt * kTileK));
+      transpose16(reinterpret_cast<const float*>(words),
+                  reinterpret_cast<float*>(kblk + kt * kT * kTileK));
+    }
+    uint16_t* vblk = vp + kb * per_block + (jj / 32) * dts * kT * kTileK;
+    for (int64_t p = 0; p < kT / 2; ++p) {  // key pair (jj % 32) / 2 + p of its half
+      const int64_t pair = (jj % 32) / 2 + p;
+      for (int64_t dt = 0; dt < dts; ++dt) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p] + dt * kT));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * p + 1] + dt * kT));
+        const __m512i ab = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        _mm512_store_si512(vblk + (dt * kT + pair) * kTileK, _mm512_permutexvar_epi16(interleave, ab));
+      }
+    }
   }
 }
 
