@@ -64,6 +64,21 @@ def wb_abs(w: torch.Tensor, qtype: QT, n: int, k: int) -> torch.Tensor:
     return dequantize_ref(w, qtype, n, k).bfloat16().double().abs()
 
 
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_dequantize_bf16_is_dequantize_then_round(kernels: None, qtype: QT) -> None:  # noqa: F811
+    """The prefill's one-pass dequantize to bfloat16 equals dequantize + .to(bfloat16) bit for
+    bit (any CPU: its rounding falls back to c10::BFloat16's without AVX-512-BF16)."""
+    for k in k_values(qtype):
+        for n in (1, 5, 64):
+            w = random_blocks(qtype, n, k, seed=7 * n + k)
+            got = torch.ops.kvserve.dequantize_bf16(w, int(qtype), n, k)
+            want = torch.ops.kvserve.dequantize(w, int(qtype), n, k).to(torch.bfloat16)
+            assert got.dtype == torch.bfloat16 and torch.equal(
+                got.view(torch.int16), want.view(torch.int16)
+            ), (qtype.name, n, k)
+            assert torch.equal(got, dequantize_ref(w, qtype, n, k).bfloat16())
+
+
 def test_refuses_float32_activations(bf16_kernel: None) -> None:
     w = random_blocks(QT.Q8_0, 4, 64)
     with pytest.raises(RuntimeError, match="x must be a contiguous 2-D bfloat16 tensor"):

@@ -38,6 +38,10 @@ def register_fakes() -> None:
     def _dequantize(qweight, qtype, out_features, in_features, isa=-1):
         return qweight.new_empty((out_features, in_features), dtype=torch.float32)
 
+    @torch.library.register_fake("kvserve::dequantize_bf16")
+    def _dequantize_bf16(qweight, qtype, out_features, in_features):
+        return qweight.new_empty((out_features, in_features), dtype=torch.bfloat16)
+
     # paged_decode_attention and paged_decode_attention_quant (q-shaped, q's dtype) have C++
     # Meta kernels instead, over sym_sizes, so sizes stay symbolic there too; register_fake
     # raises for an op that has one, which would fail this whole registration.

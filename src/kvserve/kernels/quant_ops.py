@@ -96,7 +96,8 @@ def quant_linear(
     if path == "dequant+matmul" and policy.native_bf16 and bf16:
         # a bfloat16 model's prefill: bf16 weights x bf16 activations, float32 accumulation
         # (what a bf16 checkpoint computes; 1.4-2x the float32 GEMM measured at 64+ rows)
-        w = torch.ops.kvserve.dequantize(qweight, qtype, out_features, k).to(torch.bfloat16)
+        # (dequantize_bf16: dequantize + .to(bfloat16) bit for bit, without the float32 weight)
+        w = torch.ops.kvserve.dequantize_bf16(qweight, qtype, out_features, k)
         return F.linear(x2, w).view(*x.shape[:-1], out_features)
     x2 = x2.float()
     if path == "kernel":

@@ -243,6 +243,37 @@ at::Tensor quant_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight,
   return out;
 }
 
+// dequantize + .to(bfloat16) in one pass: each row's chunk dequantized into an L1 float32
+// buffer (the same decoders as kvserve::dequantize) and rounded to nearest even, so the
+// result equals the two-step one bit for bit, without the float32 weight in memory (a
+// bfloat16 model's prefill re-expands every weight per chunk: 4 bytes written and read back
+// per value, now 2 written).
+at::Tensor dequantize_bf16_cpu(const at::Tensor& qweight, int64_t qtype, int64_t out_features,
+                               int64_t in_features) {
+  TORCH_CHECK(qweight.device().is_cpu(), "kvserve: CPU tensors only");
+  const int64_t N = out_features, K = in_features;
+  const Format& f = check_weight(qweight, qtype, N, K);
+  const IsaKernels& ik = isa_kernels(best_isa());
+  const at::Tensor w = qweight.contiguous();
+  at::Tensor out = at::empty({N, K}, qweight.options().dtype(at::kBFloat16));
+  if (N == 0 || K == 0) return out;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t row_bytes = w.size(1);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / K);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    alignas(64) float wf[kChunk];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t kc = std::min(kChunk, K - k0);
+        ik.dequant[f.index](wp + n * row_bytes + k0 / f.block_elems * f.block_bytes,
+                            kc / f.block_elems, wf);
+        f32_to_bf16(wf, kc, op + n * K + k0);
+      }
+  });
+  return out;
+}
+
 bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
 bool cpu_has_amx_bf16() { return has_amx_bf16(); }
 
@@ -254,10 +285,13 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "quant_matmul_bf16(Tensor x, Tensor qweight, int qtype, int out_features, "
       "int amx_min_rows=0) -> Tensor");
+  m.def("dequantize_bf16(Tensor qweight, int qtype, int out_features, int in_features) -> "
+        "Tensor");
   m.def("cpu_has_avx512_bf16() -> bool", &kvserve_quant::cpu_has_avx512_bf16);
   m.def("cpu_has_amx_bf16() -> bool", &kvserve_quant::cpu_has_amx_bf16);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("quant_matmul_bf16", &kvserve_quant::quant_matmul_bf16_cpu);
+  m.impl("dequantize_bf16", &kvserve_quant::dequantize_bf16_cpu);
 }
