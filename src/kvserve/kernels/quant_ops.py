@@ -9,7 +9,9 @@
   for rows above ``kernel_max_rows`` up to ``bf16_kernel_max_rows``;
 - ``amx kernel``: the same arithmetic through AMX tiles (CPUs with AMX-BF16), for the rows
   of the bf16 kernel's range from ``amx_min_rows`` on;
-- ``dequant+matmul``: the C++ dequantizer into a float32 weight, then ``F.linear`` (oneDNN);
+- ``dequant+matmul``: the C++ dequantizer into a float32 weight (a bfloat16 model on a CPU
+  with native bfloat16: straight into a bf16 weight, ``dequantize_bf16``), then ``F.linear``
+  (oneDNN);
 - ``reference``: the pure-PyTorch dequantizer, then ``F.linear`` -- the fallback wherever the
   extension did not build or is turned off, and the truth the kernels are tested against.
 
