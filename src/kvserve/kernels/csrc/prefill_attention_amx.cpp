@@ -19,9 +19,10 @@
 //   1. pack each (request, KV head)'s keys and values once into B-tile order, per 64 keys:
 //      Kp [4 key tiles][D / 32][16 dim pairs][16 keys][2];  Vp [2 key halves][D / 16][16 key
 //      pairs][16 dims][2]; keys past seq_len zero;
-//   2. per work item (request, KV head, 16 rows) and 64-key block up to its last visible key:
-//      S = Q K^T (4 C tiles), masked online softmax in float32 (AVX-512), P rounded to bf16,
-//      O (float32, in C tiles 16 dims each) = O * alpha + P V.
+//   2. per work item (request, KV head, 16 rows) and pair of 64-key blocks up to its last
+//      visible key: S = Q K^T (4 C tiles per block), masked online softmax in float32
+//      (AVX-512) over both, P rounded to bf16, O (float32, in C tiles 16 dims each) =
+//      O * alpha + P V.
 // The arithmetic is SDPA's flash kernel's: bf16 products summed in float32, P in bf16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -41,7 +42,9 @@
 namespace {
 
 constexpr int kT = 16;    // tile rows
-constexpr int kKB = 64;   // keys per block of the loop: 4 key tiles
+constexpr int kKB = 64;   // keys per packed block: 4 key tiles
+constexpr int kSpan = 2;  // blocks per softmax pass (128 keys: its per-row fixed costs halved)
+constexpr int kSK = kSpan * kKB;  // row stride of S and P
 constexpr int kTileK = 32;  // bf16 values per tile row
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -100,8 +103,8 @@ struct Item {
 
 struct Scratch {  // one worker's buffers, 64-byte aligned rows
   alignas(64) uint16_t q[kT * 256];   // 16 rows x D (<= 256) bf16
-  alignas(64) float s[kT * kKB];      // scores
-  alignas(64) uint16_t p[kT * kKB];   // probabilities, bf16
+  alignas(64) float s[kT * kSK];      // scores of up to kSpan blocks
+  alignas(64) uint16_t p[kT * kSK];   // probabilities, bf16
   alignas(64) float o[kT * 256];      // output accumulators
   float m[kT], l[kT];
   int64_t last[kT];                   // last visible key per row
@@ -125,10 +128,10 @@ KV_AMX void scores(const uint16_t* q, const uint16_t* kblk, int64_t D, float* s)
     _tile_dpbf16ps(2, 4, 7);
     _tile_dpbf16ps(3, 4, 5);
   }
-  _tile_stored(0, s, kKB * 4);
-  _tile_stored(1, s + 16, kKB * 4);
-  _tile_stored(2, s + 32, kKB * 4);
-  _tile_stored(3, s + 48, kKB * 4);
+  _tile_stored(0, s, kSK * 4);
+  _tile_stored(1, s + 16, kSK * 4);
+  _tile_stored(2, s + 32, kSK * 4);
+  _tile_stored(3, s + 48, kSK * 4);
 }
 
 // O (16 x D) += P (16 x 64) V for value block vblk, 64 dims (4 C tiles) at a time
@@ -141,7 +144,7 @@ KV_AMX void values(const uint16_t* p, const uint16_t* vblk, int64_t D, float* o)
     _tile_loadd(3, o + d0 + 48, D * 4);
     for (int64_t half = 0; half < 2; ++half) {
       const uint16_t* vt = vblk + (half * dts + d0 / 16) * 512;
-      _tile_loadd(4, p + half * 32, kKB * 2);
+      _tile_loadd(4, p + half * 32, kSK * 2);
       _tile_loadd(5, vt, 64);
       _tile_loadd(6, vt + 512, 64);
       _tile_dpbf16ps(0, 4, 5);
@@ -158,36 +161,39 @@ KV_AMX void values(const uint16_t* p, const uint16_t* vblk, int64_t D, float* o)
   }
 }
 
-// Online softmax of key block kb over the 16 rows of S: P <- exp(S * scale - m), masked past
-// each row's last key; m, l and O updated.
-KV_AMX void softmax_block(Scratch& w, int64_t kb, int64_t D, float scale) {
+// Online softmax of the keys [k0, k0 + n) (n <= kSK, whole blocks) over the 16 rows of S:
+// P <- exp(S * scale - m), masked past each row's last key; m, l and O updated.
+KV_AMX void softmax_span(Scratch& w, int64_t k0, int64_t n, int64_t D, float scale) {
+  constexpr int kV = kSK / 16;  // vectors per row
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int r = 0; r < kT; ++r) {
-    const int64_t visible = std::min<int64_t>(kKB, w.last[r] - kb * kKB + 1);
-    uint16_t* prow = w.p + r * kKB;
-    if (visible <= 0) {  // nothing of this block for this row (the tile's earlier tokens)
-      std::memset(prow, 0, kKB * 2);
+    const int64_t visible = std::min<int64_t>(n, w.last[r] - k0 + 1);
+    uint16_t* prow = w.p + r * kSK;
+    if (visible <= 0) {  // nothing of these keys for this row (the tile's earlier tokens)
+      std::memset(prow, 0, n * 2);
       continue;
     }
-    __m512 x[4];
-    __mmask16 keep[4];
+    const int nv = static_cast<int>(n / 16);
+    __m512 x[kV];
+    __mmask16 keep[kV];
     __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int c = 0; c < 4; ++c) {
-      const int64_t n = std::clamp<int64_t>(visible - 16 * c, 0, 16);
-      keep[c] = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-      x[c] = _mm512_mul_ps(_mm512_loadu_ps(w.s + r * kKB + 16 * c), vscale);
+    for (int c = 0; c < nv; ++c) {
+      const int64_t left = std::clamp<int64_t>(visible - 16 * c, 0, 16);
+      keep[c] = left == 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      x[c] = _mm512_mul_ps(_mm512_loadu_ps(w.s + r * kSK + 16 * c), vscale);
       mx = _mm512_mask_max_ps(mx, keep[c], mx, x[c]);
     }
     const float m_new = std::max(w.m[r], _mm512_reduce_max_ps(mx));
-    const float alpha = std::exp(w.m[r] - m_new);  // 0 on the first block (m = -inf)
+    const float alpha = std::exp(w.m[r] - m_new);  // 0 on the first keys (m = -inf)
     const __m512 vm = _mm512_set1_ps(m_new);
     __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < nv; ++c) {
       x[c] = _mm512_maskz_mov_ps(keep[c], kvserve_vec::exp512(_mm512_sub_ps(x[c], vm)));
       sum = _mm512_add_ps(sum, x[c]);
     }
-    _mm512_storeu_si512(prow, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x[1], x[0])));
-    _mm512_storeu_si512(prow + 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x[3], x[2])));
+    for (int c = 0; c < nv; c += 2)
+      _mm512_storeu_si512(prow + 16 * c,
+                          reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(x[c + 1], x[c])));
     w.l[r] = w.l[r] * alpha + _mm512_reduce_add_ps(sum);
     w.m[r] = m_new;
     if (alpha != 1.f) {
@@ -226,10 +232,14 @@ KV_AMX void run_item(const Problem& pb, const Item& it, Scratch& w) {
   std::memset(w.o, 0, kT * D * sizeof(float));
   const int64_t per_block = int64_t(kKB) * D;
   const int64_t base = (pb.pack_off[b] + it.head * nkb_req) * per_block;
-  for (int64_t kb = 0; kb * kKB <= last_max; ++kb) {
-    scores(w.q, pb.kp + base + kb * per_block, D, w.s);
-    softmax_block(w, kb, D, pb.scale);
-    values(w.p, pb.vp + base + kb * per_block, D, w.o);
+  const int64_t nkb = last_max / kKB + 1;  // blocks with a visible key
+  for (int64_t kb = 0; kb < nkb; kb += kSpan) {
+    const int64_t span = std::min<int64_t>(kSpan, nkb - kb);
+    for (int64_t j = 0; j < span; ++j)
+      scores(w.q, pb.kp + base + (kb + j) * per_block, D, w.s + j * kKB);
+    softmax_span(w, kb * kKB, span * kKB, D, pb.scale);
+    for (int64_t j = 0; j < span; ++j)
+      values(w.p + j * kKB, pb.vp + base + (kb + j) * per_block, D, w.o);
   }
   for (int r = 0; r < kT && it.row0 + r < rows; ++r) {
     const int64_t row = it.row0 + r, t = row / G, g = row % G;
