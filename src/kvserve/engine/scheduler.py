@@ -198,7 +198,11 @@ class Scheduler:
                 i += 1
             else:
                 break
-        self.waiting.extendleft(reversed(deferred))  # back to the front, in order
+        # deferred admissions back to the front, in order, but behind this step's preempted
+        # requests (the first len(out.preempted) of the queue): those were running, and go
+        # back first (found by hypothesis: a deferral and a preemption in one step)
+        preempted_now = [self.waiting.popleft() for _ in out.preempted]
+        self.waiting.extendleft(reversed(preempted_now + deferred))
 
         for req in self.running:
             n = step.new_tokens.get(req.request_id)
