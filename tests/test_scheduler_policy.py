@@ -120,3 +120,23 @@ class PrioritySchedulerMachine(SchedulerMachine):
 
 PrioritySchedulerMachine.TestCase.settings = SchedulerMachine.TestCase.settings
 TestPriorityScheduler = PrioritySchedulerMachine.TestCase
+
+
+def test_priority_step_that_defers_and_preempts_puts_the_preempted_first() -> None:
+    """A hypothesis example of the machine above, kept as a case: in one step an admission is
+    deferred (its next block is being computed for another request) and a running prefill is
+    preempted; the preempted request must go back in front of the deferred one (it went
+    behind). The machine's step rule checks the queue after every step, teardown included."""
+    state = PrioritySchedulerMachine()
+    shared = [2, 2, 1, 1, 0, 0, 2, 2, 1, 1, 0, 0]
+    state.add_request(cache_salt=None, max_tokens=1, prefix=[], priority=0, tail=[0, 0, 0])
+    state.add_request(cache_salt=None, max_tokens=1, prefix=shared, priority=1, tail=[0] * 17)
+    state.step(tokens=[0, 0, 0, 0])
+    for _ in range(3):
+        state.add_request(cache_salt=None, max_tokens=1, prefix=[], priority=0, tail=[])
+    state.abort(idx=1)
+    state.step(tokens=[0, 0, 0, 0])
+    state.add_request(cache_salt=None, max_tokens=1, prefix=[], priority=0, tail=[])
+    state.add_request(cache_salt="a", max_tokens=1, prefix=shared, priority=0, tail=[0])
+    state.add_request(cache_salt="a", max_tokens=1, prefix=shared, priority=0, tail=[])
+    state.teardown()
