@@ -171,9 +171,9 @@ class PagedAttention:
         nd = self.md.num_decodes
         if nd:
             out[:nd] = self._decode(layer_idx, q[:nd])
-        if nd < self.md.num_reqs and self._prefill_kernel(layer_idx, q):
+        kp, vp = self.storage.plane(layer_idx, "k"), self.storage.plane(layer_idx, "v")
+        if nd < self.md.num_reqs and self._prefill_kernel(kp, vp, q):
             lo = self.md.query_start_loc[nd]
-            kp, vp = self.storage.plane(layer_idx, "k"), self.storage.plane(layer_idx, "v")
             out[lo:] = paged_prefill_attention(
                 q[lo:], kp.codes, vp.codes, *self._prefill_tables(tables), self.scale
             )
@@ -184,11 +184,10 @@ class PagedAttention:
             )
         return out
 
-    def _prefill_kernel(self, layer_idx: int, q: torch.Tensor) -> bool:
-        """The AMX prefill kernel serves this layer: float bfloat16 K/V planes, bf16 queries."""
+    def _prefill_kernel(self, kp, vp, q: torch.Tensor) -> bool:
+        """The AMX prefill kernel serves this layer's planes: float bfloat16 K/V, bf16 queries."""
         if not self.use_kernel:
             return False
-        kp, vp = self.storage.plane(layer_idx, "k"), self.storage.plane(layer_idx, "v")
         if kp.dtype.is_quantized or vp.dtype.is_quantized or q.dtype != torch.bfloat16:
             return False
         if kp.codes.dtype != torch.bfloat16 or vp.codes.dtype != torch.bfloat16:
