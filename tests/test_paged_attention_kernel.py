@@ -229,3 +229,22 @@ def test_meta_kernel_traces() -> None:
         args,
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (12, 2)])
+@pytest.mark.parametrize("block_size", [1, 5, 16, 32])
+def test_bf16_cache_paths_agree_with_scalar(head_dim, heads, kv_heads, block_size) -> None:
+    # float32 queries over a bfloat16 cache: the products are exact in float32 on every path,
+    # so the vector paths (on AVX-512 at these head_dims: the whole-task bf16 path, with its
+    # even/odd lanes and 16-row reductions) differ from scalar only by summation order.
+    # Lengths cover a partial 16-row group, exact multiples of 16 and of the block size.
+    lens = [1, 15, 16, 17, 33, 100, 257]
+    storage, q, tables, lens_t, _ = build_cache(
+        lens, heads, kv_heads, head_dim, torch.bfloat16, block_size, seed=5
+    )
+    args = (q.float(), storage.plane(0, "k").codes, storage.plane(0, "v").codes, tables, lens_t)
+    scalar = paged_decode_attention(*args, head_dim**-0.5, 0)
+    for isa in supported_isas()[1:]:
+        out = paged_decode_attention(*args, head_dim**-0.5, isa)
+        torch.testing.assert_close(out, scalar, atol=3e-6, rtol=1e-5)
