@@ -127,6 +127,23 @@ def test_quant_matmul_matches_reference(kernels: None, qtype: QT, isa: int) -> N
         assert bool((err <= bound).all()), (qtype.name, isa, m, n, k, float((err / bound).max()))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_batch_one_kernel_reads_every_value_exactly(kernels: None, qtype: QT, isa: int) -> None:
+    # x = one-hot rows: each output is one product 1.0 * w[n, k] plus exact zeros, so the
+    # batch-1 GEMV (values decoded in registers: for Q4_0 / Q4_1 on AVX-512 by a 16-entry
+    # table per block) must give the dequantizer's value bit for bit.
+    if isa not in supported_isas():
+        pytest.skip(f"CPU lacks isa {isa} (test_unsupported_isa_raises covers it)")
+    n, k = 9, k_values(qtype)[0]
+    w = random_blocks(qtype, n, k, seed=11)
+    eye = torch.eye(k)
+    got = torch.cat(
+        [torch.ops.kvserve.quant_matmul(eye[i : i + 1], w, int(qtype), n, isa) for i in range(k)]
+    )
+    assert torch.equal(got.T, dequantize_ref(w, qtype, n, k)), (qtype.name, isa)
+
+
 # (isa, qtype) with a register GEMV for 2-4 rows: AVX2 for the 4-bit formats, AVX-512 for
 # those and Q8_0
 FEW_ROWS_GEMV = [(1, QT.Q4_0), (1, QT.Q4_1), (2, QT.Q4_0), (2, QT.Q4_1), (2, QT.Q8_0)]

@@ -14,24 +14,44 @@ inline __m512i widen16u(const uint8_t* p) {
   return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// The 4-bit formats by table: a block's 16 possible values (d * (q - 8), or d * q + m) are
+// computed once with the dequantizer's own float operations on q = 0..15 held exactly as
+// floats, and each code picks its value with one vpermps (which reads only the low 4 bits of
+// an index lane: the widened byte is the low nibble's index as it stands, >> 4 the high
+// one's). Bit for bit the values of decoding each code, in ~10 vector ops per 32 values
+// instead of ~16 (two conversions, two multiplies and two adds become two permutes).
+inline __m512 nibble_iota() {
+  return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+
+// the fp16 pair at p (d, then m) as floats in lanes 0, 1
+inline __m128 h2f_pair(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+
 struct Q4_0Values16 {
   static constexpr int kBytes = 18;
   static void get(const uint8_t* p, __m512* v) {
     const __m512 d = _mm512_set1_ps(h2f(p));
-    const __m512i q = widen16u(p + 2), m4 = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
-    v[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(q, m4), eight)), d);
-    v[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(q, 4), eight)), d);
+    const __m512 table = _mm512_mul_ps(_mm512_sub_ps(nibble_iota(), _mm512_set1_ps(8.f)), d);
+    const __m512i q = widen16u(p + 2);
+    v[0] = _mm512_permutexvar_ps(q, table);
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   }
 };
 
 struct Q4_1Values16 {
   static constexpr int kBytes = 20;
   static void get(const uint8_t* p, __m512* v) {
-    const __m512 d = _mm512_set1_ps(h2f(p)), m = _mm512_set1_ps(h2f(p + 2));
-    const __m512i q = widen16u(p + 4), m4 = _mm512_set1_epi32(0x0F);
-    // d * nibble + m (a multiply, then an add: the dequantizer's rounding)
-    v[0] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, m4)), d), m);
-    v[1] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d), m);
+    const __m128 dm = h2f_pair(p);
+    const __m512 d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+    // d * q + m (a multiply, then an add: the dequantizer's rounding)
+    const __m512 table = _mm512_add_ps(_mm512_mul_ps(nibble_iota(), d), m);
+    const __m512i q = widen16u(p + 4);
+    v[0] = _mm512_permutexvar_ps(q, table);
+    v[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   }
 };
 
