@@ -136,12 +136,20 @@ def test_float16_and_float32_sides(kname, vname, isa) -> None:
 @pytest.mark.parametrize("isa", supported_isas())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_float_format_is_the_float_kernel(dtype, isa) -> None:
-    # format 0 runs paged_attention.cpp's typed primitives in the same order: bit for bit
+    # format 0 runs paged_attention.cpp's typed primitives in the same order: bit for bit,
+    # except where the float kernel takes its whole-task bf16 path (a bf16 cache on AVX-512
+    # at head_dim 64): the same products summed in another order, so the bf16 outputs agree
+    # within one bf16 rounding (that path is held to the scalar one in float32 by
+    # test_paged_attention_kernel.py::test_bf16_cache_paths_agree_with_scalar)
     name = str(dtype).removeprefix("torch.")
     args, _, _ = make_case(name, name, 64, 9, 3, 16, random_lens(16, seed=5), seed=6)
     q, kc, vc, tables, lens = args[0], args[1], args[5], args[-2], args[-1]
     out = paged_decode_attention_quant(*args, 0.125, isa)
-    assert torch.equal(out, paged_decode_attention(q, kc, vc, tables, lens, 0.125, isa))
+    want = paged_decode_attention(q, kc, vc, tables, lens, 0.125, isa)
+    if dtype == torch.bfloat16 and isa == 2:
+        torch.testing.assert_close(out.float(), want.float(), rtol=2**-7, atol=1e-6)
+    else:
+        assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("isa", supported_isas())
