@@ -565,11 +565,15 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* tables, int
   const int64_t tasks = B * KVH;
   int64_t rows_total = 0;
   for (int64_t b = 0; b < B; ++b) rows_total += lens[b] * KVH;
-  // below ~8k K/V rows the threads cost more to wake than they save. A task is (b, kv head h):
-  // one head per task measured 1.4-1.6x faster from DRAM than whole requests (each block
-  // read front to back). Tasks are b-major and the runner sorts decodes by length, so worker
-  // w takes tasks w, w + W, ... (round robin), not a contiguous all-short or all-long slice.
-  const int64_t W = rows_total < 8192 ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
+  // below ~512 K/V rows the threads cost more to wake than they save (benchmarks/
+  // paged_attention.py, bf16, 2 threads, 3 alternating rounds on the AMX Xeon: B 1 x 128
+  // tokens even; B 1 x 256 23-24 us on two threads against 26-38 on one; B 4 x 1024 156-204
+  // against 213-251; the threshold was 8192 rows before the faster kernels). A task is
+  // (b, kv head h): one head per task measured 1.4-1.6x faster from DRAM than whole requests
+  // (each block read front to back). Tasks are b-major and the runner sorts decodes by length,
+  // so worker w takes tasks w, w + W, ... (round robin), not a contiguous all-short or
+  // all-long slice.
+  const int64_t W = rows_total < 512 ? 1 : std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, W, 1, [&](int64_t w0, int64_t w1) {
     std::vector<float> scores(G * max_len), acc(G * D), inv(G);  // (G, n) and (G, D)
 #if defined(__x86_64__)
