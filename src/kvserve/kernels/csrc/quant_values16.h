@@ -24,6 +24,13 @@ inline __m512 nibble_iota() {
   return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
 }
 
+// the fp16 at p as float32 in all 16 lanes (a word broadcast from memory, one conversion)
+inline __m512 h2f16(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(bits)));
+}
+
 // the fp16 pair at p (d, then m) as floats in lanes 0, 1
 inline __m128 h2f_pair(const uint8_t* p) {
   int32_t bits;
@@ -34,7 +41,7 @@ inline __m128 h2f_pair(const uint8_t* p) {
 struct Q4_0Values16 {
   static constexpr int kBytes = 18;
   static void get(const uint8_t* p, __m512* v) {
-    const __m512 d = _mm512_set1_ps(h2f(p));
+    const __m512 d = h2f16(p);
     const __m512 table = _mm512_mul_ps(_mm512_sub_ps(nibble_iota(), _mm512_set1_ps(8.f)), d);
     const __m512i q = widen16u(p + 2);
     v[0] = _mm512_permutexvar_ps(q, table);
@@ -58,7 +65,7 @@ struct Q4_1Values16 {
 struct Q8_0Values16 {
   static constexpr int kBytes = 34;
   static void get(const uint8_t* p, __m512* v) {
-    const __m512 d = _mm512_set1_ps(h2f(p));
+    const __m512 d = h2f16(p);
     v[0] = _mm512_mul_ps(cvt16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))), d);
     v[1] = _mm512_mul_ps(cvt16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18))), d);
   }
