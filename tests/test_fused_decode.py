@@ -100,10 +100,18 @@ def both_ways(model, storage, md, ids, positions, isa: int | None = None):
     return (eager, eager_kv), (got, storage.kv.clone())
 
 
-@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
-def test_float32_equals_eager_layers(tmp_path: Path, quantization: str) -> None:
+@pytest.mark.parametrize(
+    "quantization,prompt_lens",
+    [
+        ("q8_0", [3, 9, 17]),  # 1, 3 and 5 blocks; partial ones
+        ("q4_0", [3, 9, 17]),
+        ("q4_0", [1 + i % 7 for i in range(20)]),  # 20 rows: the norms split over threads
+    ],
+    ids=["q8_0", "q4_0", "q4_0-20-rows"],
+)
+def test_float32_equals_eager_layers(tmp_path: Path, quantization: str, prompt_lens) -> None:
     model = load(tmp_path, quantization=quantization)
-    storage, md, ids, pos = prefilled(model, [3, 9, 17])  # 1, 3 and 5 blocks; partial ones
+    storage, md, ids, pos = prefilled(model, prompt_lens)
     before = storage.kv.clone()
     (eager, eager_kv), (got, got_kv) = both_ways(model, storage, md, ids, pos)
     # the same kernels and arithmetic; only reduction orders (norm, softmax) differ
