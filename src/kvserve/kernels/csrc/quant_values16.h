@@ -5,7 +5,6 @@
 //
 // NOT a normal header (as quant_simd.h): included inside an AVX-512 target region and
 // namespace, after that region defines
-//   float h2f(const uint8_t* p)      fp16 at p -> float (F16C)
 //   __m512 cvt16(__m128i q)          16 signed int8 -> float32
 // quant_isa.cpp (the batch-1 GEMV) and quant_amx.cpp (AMX panels, rounded to bfloat16) include
 // it. No include guard on purpose.
