@@ -114,7 +114,8 @@ def test_other_block_sizes(isa: int, block_size: int) -> None:
 
 @pytest.mark.parametrize("isa", supported_isas())
 def test_many_long_requests_on_threads(isa: int) -> None:
-    # enough K/V rows (> 8192) that the kernel spreads the (request, kv head) tasks over threads
+    # enough K/V rows (> 512, and more than the old 8192) that the kernel spreads the (request,
+    # kv head) tasks over threads
     lens = [(37 * i) % 700 + 1 for i in range(24)]
     storage, q, tables, lens_t, dense = build_cache(lens, 9, 3, 64, torch.bfloat16, seed=3)
     threads = torch.get_num_threads()
