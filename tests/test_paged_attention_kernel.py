@@ -150,17 +150,15 @@ def test_paged_attention_kernel_and_fallback_agree(dtype, monkeypatch) -> None:
     md = decode_metadata(tables, lens)
     monkeypatch.setenv("KVSERVE_KERNELS", "1")
     assert PagedAttention(storage, md, 64**-0.5).use_kernel  # CPU + extension loaded: the default
-    with_kernel = PagedAttention(storage, md, 64**-0.5)._decode(0, q)
+    empty = q.new_zeros(0, 3, 64)  # this step writes no K/V: the cache already holds it all
+    with_kernel = PagedAttention(storage, md, 64**-0.5)(0, q, empty, empty)
     monkeypatch.setenv("KVSERVE_KERNELS", "0")
     fallback = PagedAttention(storage, md, 64**-0.5)
     assert not fallback.use_kernel
-    without = fallback._decode(0, q)
+    without = fallback(0, q, empty, empty)
     tol = TOL[dtype] if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(with_kernel, without, atol=tol, rtol=tol)
-    empty = q.new_zeros(0, 3, 64)  # this step writes no K/V: the cache already holds it all
-    forced = PagedAttention(storage, md, 64**-0.5, use_kernel=False)(
-        0, q, empty, empty
-    )  # via __call__
+    forced = PagedAttention(storage, md, 64**-0.5, use_kernel=False)(0, q, empty, empty)
     torch.testing.assert_close(forced, without)
     torch.testing.assert_close(without.float(), dense_sdpa(q, dense), atol=tol, rtol=tol)
 

@@ -169,10 +169,14 @@ class PagedAttention:
             )
         out = torch.empty_like(q)
         nd = self.md.num_decodes
+        # the layer's K/V planes as the kernels read them: looked up once, for both phases
+        planes = self._planes(layer_idx) if self.use_kernel else None
         if nd:
-            out[:nd] = self._decode(layer_idx, q[:nd])
-        kp, vp = self.storage.plane(layer_idx, "k"), self.storage.plane(layer_idx, "v")
-        if nd < self.md.num_reqs and self._prefill_kernel(kp, vp, q):
+            out[:nd] = self._decode(layer_idx, q[:nd], planes)
+        if nd == self.md.num_reqs:
+            return out
+        if planes is not None and self._prefill_kernel(*planes, q):
+            kp, vp = planes
             lo = self.md.query_start_loc[nd]
             out[lo:] = paged_prefill_attention(
                 q[lo:], kp.codes, vp.codes, *self._prefill_tables(tables), self.scale
@@ -184,10 +188,11 @@ class PagedAttention:
             )
         return out
 
+    def _planes(self, layer_idx: int) -> tuple:
+        return self.storage.plane(layer_idx, "k"), self.storage.plane(layer_idx, "v")
+
     def _prefill_kernel(self, kp, vp, q: torch.Tensor) -> bool:
         """The AMX prefill kernel serves this layer's planes: float bfloat16 K/V, bf16 queries."""
-        if not self.use_kernel:
-            return False
         if kp.dtype.is_quantized or vp.dtype.is_quantized or q.dtype != torch.bfloat16:
             return False
         if kp.codes.dtype != torch.bfloat16 or vp.codes.dtype != torch.bfloat16:
@@ -209,13 +214,14 @@ class PagedAttention:
             self.storage, self.md, layer_idx, q_nope, q_pe, latent, weights, self.scale
         )
 
-    def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """Decode requests [0, B): q (B, heads, head_dim), one query each."""
+    def _decode(self, layer_idx: int, q: torch.Tensor, planes: tuple | None) -> torch.Tensor:
+        """Decode requests [0, B): q (B, heads, head_dim), one query each; ``planes``: the
+        layer's (K, V) planes where the kernels run, else None (grouped SDPA)."""
         md, nd, st = self.md, q.shape[0], self.storage
         tables = md.for_group(st.group_of(layer_idx))[1][:nd]
         lens = md.seq_lens_tensor[:nd]
-        if self.use_kernel:
-            kp, vp = st.plane(layer_idx, "k"), st.plane(layer_idx, "v")
+        if planes is not None:
+            kp, vp = planes
             if not (kp.dtype.is_quantized or vp.dtype.is_quantized) and kp.dtype == vp.dtype:
                 return paged_decode_attention(
                     q, kp.codes, vp.codes, tables, lens, self.scale, self.isa

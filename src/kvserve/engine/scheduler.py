@@ -198,11 +198,12 @@ class Scheduler:
                 i += 1
             else:
                 break
-        # deferred admissions back to the front, in order, but behind this step's preempted
-        # requests (the first len(out.preempted) of the queue): those were running, and go
-        # back first (found by hypothesis: a deferral and a preemption in one step)
-        preempted_now = [self.waiting.popleft() for _ in out.preempted]
-        self.waiting.extendleft(reversed(preempted_now + deferred))
+        # deferred admissions back near the front, in order, but behind this step's preempted
+        # requests (_preempt put them first in the queue, and nothing is admitted after a
+        # preemption): those were running and go back first (found by hypothesis: a deferral
+        # and a preemption in one step)
+        for req in reversed(deferred):
+            self.waiting.insert(len(out.preempted), req)
 
         for req in self.running:
             n = step.new_tokens.get(req.request_id)

@@ -22,7 +22,8 @@ call, over a bfloat16 cache through AMX tiles (CPUs with AMX-BF16), instead of o
 one SDPA call per request: ``python -m benchmarks.prefill_attention`` on a 2-core Sapphire
 Rapids guest, eight requests of 32..512 tokens, 2 threads: 5.84 ms against 13.92 ms (2.38x;
 2.23x for four chunks after a 256-token cached prefix, 2.27x on 1 thread); offline-64's
-prefill alone 12.8-13.9 s -> 10.6-12.1 s (A/B in one process, the kernel's first version).
+prefill alone 12.8-13.9 s -> 10.6-12.1 s (a throwaway A/B script in one process, the
+kernel's first version).
 """
 
 from __future__ import annotations

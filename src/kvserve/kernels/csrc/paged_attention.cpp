@@ -19,7 +19,8 @@
 // attend_task_bf16 instead (K/V words split into even/odd float32 lanes without shuffles, the
 // scores of 16 rows reduced by one transpose-add tree): measured on a 2-core Sapphire Rapids
 // guest, benchmarks/paged_attention.py, 2 threads, B 8 x 128..2048 tokens (in L3) 1.6-1.8x
-// faster; B 48 x 400 (from DRAM, offline-64's decode) 1.1-1.25x, 3 alternating runs.
+// faster; B 48 x 400 (from DRAM, offline-64's decode) 1.1-1.25x, 3 alternating runs with the
+// old path behind a temporary switch (not kept).
 #include "cpu_isa.h"
 #include "paged_attention.h"
 #include "vec_exp.h"
@@ -566,7 +567,8 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* tables, int
   int64_t rows_total = 0;
   for (int64_t b = 0; b < B; ++b) rows_total += lens[b] * KVH;
   // below ~512 K/V rows the threads cost more to wake than they save (benchmarks/
-  // paged_attention.py, bf16, 2 threads, 3 alternating rounds on the AMX Xeon: B 1 x 128
+  // paged_attention.py, bf16, 2 threads, 3 alternating rounds on the AMX Xeon with the
+  // threshold behind a temporary switch: B 1 x 128
   // tokens even; B 1 x 256 23-24 us on two threads against 26-38 on one; B 4 x 1024 156-204
   // against 213-251; the threshold was 8192 rows before the faster kernels). A task is
   // (b, kv head h): one head per task measured 1.4-1.6x faster from DRAM than whole requests
