@@ -375,3 +375,40 @@ def test_one_noisy_loss_does_not_end_the_kernel_range(
     )
     assert (rows, bf16_rows, amx_rows) == (2, 0, 0)
     assert kernel_timings == [3, 9, 3]  # the loss at 1 row re-timed 3x longer, then 2 rows
+
+
+def test_one_noisy_loss_to_the_bf16_kernel_does_not_end_the_kernel_range(
+    kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same confirmation against the bf16 kernel: one stalled first timing once gave the
+    Q8_0 lm_head "kernel up to 0 rows" on an AMX Xeon, and batch-1 decode took the slower
+    bf16 kernel on every step."""
+    from kvserve.models import quantized_linear
+
+    kernel_timings = []
+
+    def noisy_best_time(fn, repeat):
+        if fn.__name__ == "kernel":  # a stall first, then clearly faster than the bf16 kernel
+            kernel_timings.append(repeat)
+            return 1.0 if len(kernel_timings) == 1 else 0.1
+        if fn.__name__ == "dequantized":
+            return 2.0
+        return 0.5  # the bf16 kernel (a lambda), never below its best
+
+    monkeypatch.setattr(quantized_linear, "best_time", noisy_best_time)
+    w = random_blocks(QT.Q8_0, 8, 64)
+    rows, bf16_rows, amx_rows = quantized_linear.measure_kernel_max_rows(
+        w, int(QT.Q8_0), 8, 64, isa=-1, bf16=True, bf16_kernel=True, candidates=(1, 2)
+    )
+    assert (rows, bf16_rows, amx_rows) == (2, 0, 0)
+    assert kernel_timings == [3, 9, 3]
+
+    # a real loss (the kernel slower in the longer timings too) still ends the range
+    monkeypatch.setattr(
+        quantized_linear,
+        "best_time",
+        lambda fn, repeat: {"kernel": 1.0, "dequantized": 2.0}.get(fn.__name__, 0.5),
+    )
+    assert quantized_linear.measure_kernel_max_rows(
+        w, int(QT.Q8_0), 8, 64, isa=-1, bf16=True, bf16_kernel=True, candidates=(1, 2)
+    ) == (0, 2, 0)

@@ -16,7 +16,7 @@ from kvserve.kernels.build import build_kernels
 from kvserve.models import weight_formats
 from kvserve.models.loader import load_model
 from kvserve.models.quantized_linear import QuantizedLinear
-from kvserve.models.row_thresholds import RowThresholdCache, machine_key
+from kvserve.models.row_thresholds import FORMAT_VERSION, RowThresholdCache, machine_key
 from kvserve.platform import detect_cpu_features
 
 
@@ -65,7 +65,8 @@ def test_bad_values_are_not_returned(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     cache = RowThresholdCache(path, "m")
     good, bad = cache.key(shape=[1]), cache.key(shape=[2])
-    path.write_text(json.dumps({"version": 1, "entries": {good: [1, 2, 3], bad: [1, -2, 3]}}))
+    entries = {good: [1, 2, 3], bad: [1, -2, 3]}
+    path.write_text(json.dumps({"version": FORMAT_VERSION, "entries": entries}))
     back = RowThresholdCache(path, "m")
     assert back.get(good) == (1, 2, 3)
     assert back.get(bad) is None
