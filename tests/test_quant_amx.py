@@ -2,8 +2,9 @@
 
 The same definition as the bf16 kernel's (tests/test_quant_bf16.py): bf16 activations times
 bf16(dequantize(W)), products exact, sums in float32 (computed here in float64). Shapes hit
-every tile edge: activation rows around 16 and 32 (B-tile pairs), weight rows around 16 and 32
-(A-tile pairs), K one tile and several.
+every tile edge: activation rows around 16 and 32 (B-tile pairs; 1, 16, 33 and 70 end on an
+odd tile, which runs alone), weight rows around 16 and 32 (A-tile pairs), K one tile and
+several.
 
 AMX tiles exist only on Sapphire Rapids and later Xeons. On a CPU with AVX-512-BF16 but no
 AMX (Zen 4 / 5) the same calls run the op's fallback, the VDPBF16PS tiles, against the same

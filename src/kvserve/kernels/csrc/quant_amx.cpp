@@ -15,7 +15,8 @@
 //   C tile (16 weight rows x 16 activation rows, float32): transposed into out on the way out.
 // Per 32 weight rows (two A tiles, dequantized once for the whole K into an L2 buffer) and
 // 32 activation rows (two B tiles), four C tiles accumulate over K: 4 loads per 4 products.
-// Activation rows are padded to a multiple of 32 with zeros; weight rows beyond N are zero.
+// Activation rows are padded to a multiple of 16 with zeros (an odd last tile runs alone);
+// weight rows beyond N are zero.
 //
 // Why: at 64 rows (a batch of decodes) the VDPBF16PS kernel reaches ~190 GFLOP/s and
 // dequantize + oneDNN pays a full float32 weight per call; AMX does the products ~8x faster
@@ -164,15 +165,43 @@ KV_AMX void dequant_panel(const uint8_t* wp, int64_t row_bytes, const Format& f,
   }
 }
 
-// One panel (weight rows [n0, n0 + nr)) against every pair of activation tiles (mtiles is
-// even): four C tiles accumulate over K per pair, then go to out transposed.
+// One panel (weight rows [n0, n0 + nr)) against every pair of activation tiles: four C tiles
+// accumulate over K per pair, then go to out transposed. An odd last activation tile (M in
+// (32j, 32j + 16]) runs alone on two C tiles: padding it to a pair did twice the tile
+// products needed up to 16 rows (a third more at 40), and a batch of decodes shrinks through
+// every M. Measured on the 2-core AMX Xeon, all 120 layer matmuls of the default model
+// (fused shapes, from DRAM, 2 threads, 3 alternating rounds of a throwaway script): 8 rows
+// 19.2-24.5 -> 13.2-15.6 ms, 16 rows 20.3-23.6 -> 14.6-17.3 ms; 40 and 48 rows within noise.
+// (A single 3072 x 576 weight at 24..64 rows showed no gain, which is why this was once
+// reverted; those row counts never ran the single tile's half of the products.)
 KV_AMX void panel_times_pairs(const uint16_t* apanel, const uint16_t* xpack, int64_t mtiles,
                               int64_t ktiles, int64_t M, int64_t N, int64_t n0, int nr,
                               float* ct, float* scratch, float* out) {
   const uint16_t* a0 = apanel;
   const uint16_t* a1 = apanel + ktiles * kTileElems;
+  const int nc0 = std::min(nr, kT), nc1 = std::max(nr - kT, 0);
   for (int64_t mt = 0; mt < mtiles; mt += 2) {
     const uint16_t* b0 = xpack + mt * ktiles * kTileElems;
+    const int64_t m0 = mt * kT;
+    const int mc0 = static_cast<int>(std::clamp<int64_t>(M - m0, 0, kT));
+    if (mt + 1 == mtiles) {  // the odd last tile
+      _tile_zero(0);
+      _tile_zero(2);
+      for (int64_t kt = 0; kt < ktiles; ++kt) {
+        _tile_loadd(4, a0 + kt * kTileElems, 64);
+        _tile_loadd(5, a1 + kt * kTileElems, 64);
+        _tile_loadd(6, b0 + kt * kTileElems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+      }
+      _tile_stored(0, ct, 64);
+      store_tile(ct, scratch, out, N, m0, n0, mc0, nc0);
+      if (nc1 > 0) {
+        _tile_stored(2, ct, 64);
+        store_tile(ct, scratch, out, N, m0, n0 + kT, mc0, nc1);
+      }
+      break;
+    }
     const uint16_t* b1 = b0 + ktiles * kTileElems;
     _tile_zero(0);
     _tile_zero(1);
@@ -188,10 +217,7 @@ KV_AMX void panel_times_pairs(const uint16_t* apanel, const uint16_t* xpack, int
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    const int64_t m0 = mt * kT;
-    const int mc0 = static_cast<int>(std::clamp<int64_t>(M - m0, 0, kT));
     const int mc1 = static_cast<int>(std::clamp<int64_t>(M - m0 - kT, 0, kT));
-    const int nc0 = std::min(nr, kT), nc1 = std::max(nr - kT, 0);
     _tile_stored(0, ct, 64);
     store_tile(ct, scratch, out, N, m0, n0, mc0, nc0);
     if (mc1 > 0) {
@@ -239,7 +265,7 @@ KV_AMX void amx_panels(int64_t p0, int64_t p1, const uint16_t* xpack, int64_t M,
 void amx_matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* wp, const Format& f,
                 const IsaKernels& ik, int64_t N, float* out) {
   const int64_t ktiles = K / kTileK;
-  const int64_t mtiles = (M + 2 * kT - 1) / (2 * kT) * 2;  // pairs of B tiles
+  const int64_t mtiles = (M + kT - 1) / kT;  // B tiles: pairs, and maybe one odd last
   uint16_t* xpack = static_cast<uint16_t*>(
       std::aligned_alloc(64, mtiles * ktiles * kTileElems * sizeof(uint16_t)));
   pack_activations(x, M, K, mtiles, xpack);
