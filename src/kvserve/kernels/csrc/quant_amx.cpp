@@ -172,8 +172,10 @@ KV_AMX void dequant_panel(const uint8_t* wp, int64_t row_bytes, const Format& f,
 // every M. Measured on the 2-core AMX Xeon, all 120 layer matmuls of the default model
 // (fused shapes, from DRAM, 2 threads, 3 alternating rounds of a throwaway script): 8 rows
 // 19.2-24.5 -> 13.2-15.6 ms, 16 rows 20.3-23.6 -> 14.6-17.3 ms; 40 and 48 rows within noise.
-// (A single 3072 x 576 weight at 24..64 rows showed no gain, which is why this was once
-// reverted; those row counts never ran the single tile's half of the products.)
+// (A single 3072 x 576 weight timed at 24..64 rows showed no gain, and this was once reverted
+// for it; the gain is at 16 rows and fewer, where all the activations are one tile.
+// Dequantizing each k tile right before its products, instead of the whole panel first, was
+// tried for up to 32 rows: 15-20% slower at 1..32 rows, alternating A/B.)
 KV_AMX void panel_times_pairs(const uint16_t* apanel, const uint16_t* xpack, int64_t mtiles,
                               int64_t ktiles, int64_t M, int64_t N, int64_t n0, int nr,
                               float* ct, float* scratch, float* out) {
