@@ -102,6 +102,27 @@ def test_kernel_dequantize_matches_ref_exactly(kernels: None, qtype: QT, isa: in
         assert torch.equal(got, dequantize_ref(w, qtype, n, k)), (qtype.name, isa, n, k)
 
 
+@pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
+def test_quantized_embedding_lookup_equals_the_reference(
+    kernels: None, qtype: QT, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedding lookup dequantizes its rows in C++ where the kernels are loaded: the
+    same floats as the PyTorch reference it falls back to (KVSERVE_KERNELS=0)."""
+    from kvserve.models.quantized_linear import QuantizedEmbedding
+
+    vocab, k = 50, k_values(qtype)[1]
+    emb = QuantizedEmbedding(
+        random_blocks(qtype, vocab, k, seed=3), int(qtype), vocab, k, torch.float32
+    )
+    ids = torch.tensor([[3, 0, 49], [7, 7, 12]])
+    got = emb(ids)
+    monkeypatch.setenv("KVSERVE_KERNELS", "0")
+    want = emb(ids)
+    assert got.shape == (2, 3, k)
+    assert torch.equal(got, want)
+    assert torch.equal(want[1, 0], dequantize_ref(emb.qweight[7:8], qtype, 1, k)[0])
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
 def test_quant_matmul_matches_reference(kernels: None, qtype: QT, isa: int) -> None:
