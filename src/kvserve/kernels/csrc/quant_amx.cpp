@@ -176,7 +176,10 @@ KV_AMX void dequant_panel(const uint8_t* wp, int64_t row_bytes, const Format& f,
 // for it; the gain is at 16 rows and fewer, where all the activations are one tile.
 // Dequantizing each k tile right before its products, instead of the whole panel first, was
 // tried for up to 32 rows: 15-20% slower at 1..32 rows, alternating A/B; so was a chunk of 8
-// k tiles at a time (16 KiB, so that it and its B tiles stay in L1): ~10% slower.)
+// k tiles at a time (16 KiB, so that it and its B tiles stay in L1): ~10% slower. Also no
+// gain, 4 alternating rounds at 8, 16 and 48 rows: the panel's fp16 scales converted ahead of
+// its block loop (half the port-5 shuffles per block), and a software prefetch of the next
+// panel's weights during this one's products.)
 KV_AMX void panel_times_pairs(const uint16_t* apanel, const uint16_t* xpack, int64_t mtiles,
                               int64_t ktiles, int64_t M, int64_t N, int64_t n0, int nr,
                               float* ct, float* scratch, float* out) {
