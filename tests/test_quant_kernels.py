@@ -102,6 +102,35 @@ def test_kernel_dequantize_matches_ref_exactly(kernels: None, qtype: QT, isa: in
         assert torch.equal(got, dequantize_ref(w, qtype, n, k)), (qtype.name, isa, n, k)
 
 
+def test_on_amx_cpus_the_bf16_range_is_all_amx_tiles(
+    kernels: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With AMX, every row above the float32 kernel's range that the bf16 path takes runs on
+    AMX tiles (amx_min_rows = kernel_max_rows + 1), never the VDPBF16PS tiles: a real decode
+    step streams each weight once, and there AMX won at every row count."""
+    from kvserve.models import quantized_linear
+
+    def fake_best_time(fn, repeat):
+        if fn.__name__ == "kernel":  # wins at 1 and 2 rows, loses from 4
+            return 0.1 if fake_best_time.rows <= 2 else 1.0
+        return 2.0 if fn.__name__ == "dequantized" else 0.5
+
+    real_randn = torch.randn
+
+    def randn_tracking_rows(*size, **kw):  # the measurement draws x = randn(m, K) per m
+        fake_best_time.rows = size[0]
+        return real_randn(*size, **kw)
+
+    monkeypatch.setattr(quantized_linear, "best_time", fake_best_time)
+    monkeypatch.setattr(quantized_linear.torch, "randn", randn_tracking_rows)
+    w = random_blocks(QT.Q4_1, 8, 64)
+    args = (w, int(QT.Q4_1), 8, 64, -1)
+    kw = {"bf16": True, "bf16_kernel": True, "candidates": (1, 2, 4, 8)}
+    assert quantized_linear.measure_kernel_max_rows(*args, **kw, amx=True) == (2, 8, 3)
+    # without AMX the same range is the VDPBF16PS tiles'
+    assert quantized_linear.measure_kernel_max_rows(*args, **kw, amx=False) == (2, 8, 0)
+
+
 @pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
 def test_quantized_embedding_lookup_equals_the_reference(
     kernels: None, qtype: QT, monkeypatch: pytest.MonkeyPatch

@@ -143,11 +143,15 @@ def measure_kernel_max_rows(
     The float32 kernel is kept up to the largest row count at which it is the fastest path;
     from there the bf16 kernel (``bf16_kernel``: a bfloat16 model on a CPU with AVX-512-BF16)
     up to the largest at which it still beats dequantize + F.linear. With ``amx`` (the CPU has
-    AMX-BF16) the bf16 kernel runs through AMX tiles from the first row count at which those
-    beat its VDPBF16PS tiles. Rows are tried in increasing order and each search stops at its
-    first loss (a kernel's cost grows with rows, the dequantized matmul's mostly does not).
-    ``bf16``: the dequantized matmul runs in bfloat16 (a bf16 model on a CPU with native
-    bf16), as ``quant_linear`` then does."""
+    AMX-BF16) that range runs on AMX tiles only (``amx_min_rows`` is its first row): one
+    weight timed over and over in cache had its VDPBF16PS tiles win at 8-16 rows, but a decode
+    step streams every weight once, and there the AMX tiles won at every row count (the
+    default model's 120 layer matmuls from DRAM, AMX Xeon, 2 threads: 8 rows 14-15 ms
+    against 30-33, 12 rows 14.5 against 30-39, 16 rows 16-19 against 48-60; 1-4 rows the
+    float32 kernel, 7-13 ms, against AMX 11-15). Rows are tried in increasing order and each
+    search stops at its first loss (a kernel's cost grows with rows, the dequantized matmul's
+    mostly does not). ``bf16``: the dequantized matmul runs in bfloat16 (a bf16 model on a CPU
+    with native bf16), as ``quant_linear`` then does."""
     kernel_rows = bf16_rows = amx_rows = 0
     in_kernel = True
     for m in candidates:
@@ -168,13 +172,8 @@ def measure_kernel_max_rows(
 
         dense = best_time(dequantized, repeat)
         bf16_time = float("inf")
-        if bf16_kernel and amx_rows:  # AMX won at fewer rows: only it is timed from there
-            bf16_time = bf16_op(1)
-        elif bf16_kernel:
-            bf16_time = bf16_op(0)
-            amx_time = bf16_op(1) if amx else float("inf")
-            if amx_time < bf16_time:
-                amx_rows, bf16_time = m, amx_time
+        if bf16_kernel:  # the AMX tiles where the CPU has them, else the VDPBF16PS ones
+            bf16_time = bf16_op(1 if amx else 0)
         if in_kernel:
 
             def kernel(x=x) -> torch.Tensor:
@@ -196,12 +195,11 @@ def measure_kernel_max_rows(
             # timing that hands batch-1 decode to the bf16 one costs ~25% of every step
             if fused <= dense and fused <= BF16_MARGIN * bf16_time:
                 kernel_rows = m
-                amx_rows = 0  # AMX only from above the float32 kernel's rows
                 continue
             in_kernel = False
         if bf16_time > dense:
             break
         bf16_rows = m
-    if amx_rows > bf16_rows:
-        amx_rows = 0
+    if amx and bf16_rows > kernel_rows:
+        amx_rows = kernel_rows + 1  # every row of the bf16 range on AMX tiles
     return kernel_rows, bf16_rows, amx_rows

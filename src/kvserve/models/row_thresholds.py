@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 REMEASURE_ENV = "KVSERVE_REMEASURE"
 FILE_NAME = "row-thresholds.json"
 # 2: a loss of the float32 kernel to the bf16 one is confirmed before it is stored (entries
-# measured by version 1 may hold a noisy loss at 1 row)
-FORMAT_VERSION = 2
+# measured by version 1 may hold a noisy loss at 1 row); 3: on AMX CPUs the bf16 range is all
+# AMX tiles (entries of version 2 may hand 9-15 rows to the VDPBF16PS tiles)
+FORMAT_VERSION = 3
 
 Thresholds = tuple[int, int, int]  # (kernel_max_rows, bf16_kernel_max_rows, amx_min_rows)
 
