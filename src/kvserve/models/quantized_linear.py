@@ -187,8 +187,9 @@ def measure_kernel_max_rows(
                 # then dequantized every weight on every step. The same against the bf16
                 # kernel: a stalled first timing once gave the Q8_0 lm_head "kernel up to 0
                 # rows" on the AMX Xeon, and batch-1 decode took the bf16 kernel, 3.3 ms a
-                # step against the float32 kernel's 2.6 ms. (Only the loser is timed again:
-                # noise only ever adds to a best-of time.)
+                # step against the float32 kernel's 2.6 ms. (The bf16 kernel is not timed
+                # again: noise only ever adds to a best-of time, so a stall there could only
+                # have favoured the float32 kernel.)
                 dense = min(dense, best_time(dequantized, 3 * repeat))
                 fused = min(fused, best_time(kernel, 3 * repeat))
             # the bf16 kernel must win clearly: at a few rows the two are close, and a noisy
