@@ -102,35 +102,6 @@ def test_kernel_dequantize_matches_ref_exactly(kernels: None, qtype: QT, isa: in
         assert torch.equal(got, dequantize_ref(w, qtype, n, k)), (qtype.name, isa, n, k)
 
 
-def test_on_amx_cpus_the_bf16_range_is_all_amx_tiles(
-    kernels: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With AMX, every row above the float32 kernel's range that the bf16 path takes runs on
-    AMX tiles (amx_min_rows = kernel_max_rows + 1), never the VDPBF16PS tiles: a real decode
-    step streams each weight once, and there AMX won at every row count."""
-    from kvserve.models import quantized_linear
-
-    def fake_best_time(fn, repeat):
-        if fn.__name__ == "kernel":  # wins at 1 and 2 rows, loses from 4
-            return 0.1 if fake_best_time.rows <= 2 else 1.0
-        return 2.0 if fn.__name__ == "dequantized" else 0.5
-
-    real_randn = torch.randn
-
-    def randn_tracking_rows(*size, **kw):  # the measurement draws x = randn(m, K) per m
-        fake_best_time.rows = size[0]
-        return real_randn(*size, **kw)
-
-    monkeypatch.setattr(quantized_linear, "best_time", fake_best_time)
-    monkeypatch.setattr(quantized_linear.torch, "randn", randn_tracking_rows)
-    w = random_blocks(QT.Q4_1, 8, 64)
-    args = (w, int(QT.Q4_1), 8, 64, -1)
-    kw = {"bf16": True, "bf16_kernel": True, "candidates": (1, 2, 4, 8)}
-    assert quantized_linear.measure_kernel_max_rows(*args, **kw, amx=True) == (2, 8, 3)
-    # without AMX the same range is the VDPBF16PS tiles'
-    assert quantized_linear.measure_kernel_max_rows(*args, **kw, amx=False) == (2, 8, 0)
-
-
 @pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
 def test_quantized_embedding_lookup_equals_the_reference(
     kernels: None, qtype: QT, monkeypatch: pytest.MonkeyPatch
@@ -399,66 +370,3 @@ def test_bf16_dequant_matmul_path_is_bf16_gemm_of_the_reference(kernels: None) -
     want = torch.nn.functional.linear(x, dequantize_ref(w, QT.Q4_1, 33, 96).to(torch.bfloat16))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, atol=0, rtol=0)
-
-
-def test_one_noisy_loss_does_not_end_the_kernel_range(
-    kernels: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """measure_kernel_max_rows confirms a loss of the kernel with longer timings before it
-    ends the kernel's range: one slow sample (a busy machine at load) once gave a weight
-    "kernel up to 0 rows", and batch-1 decode then dequantized every weight every step."""
-    from kvserve.models import quantized_linear
-
-    kernel_timings = []
-
-    def noisy_best_time(fn, repeat):
-        # the two timed closures are named `kernel` and `dequantized`
-        if fn.__name__ == "kernel":  # the very first kernel timing is a stall, then fast
-            kernel_timings.append(repeat)
-            return 1.0 if len(kernel_timings) == 1 else 0.0
-        return 0.5
-
-    monkeypatch.setattr(quantized_linear, "best_time", noisy_best_time)
-    w = random_blocks(QT.Q4_1, 8, 64)
-    rows, bf16_rows, amx_rows = quantized_linear.measure_kernel_max_rows(
-        w, int(QT.Q4_1), 8, 64, isa=-1, candidates=(1, 2)
-    )
-    assert (rows, bf16_rows, amx_rows) == (2, 0, 0)
-    assert kernel_timings == [3, 9, 3]  # the loss at 1 row re-timed 3x longer, then 2 rows
-
-
-def test_one_noisy_loss_to_the_bf16_kernel_does_not_end_the_kernel_range(
-    kernels: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The same confirmation against the bf16 kernel: one stalled first timing once gave the
-    Q8_0 lm_head "kernel up to 0 rows" on an AMX Xeon, and batch-1 decode took the slower
-    bf16 kernel on every step."""
-    from kvserve.models import quantized_linear
-
-    kernel_timings = []
-
-    def noisy_best_time(fn, repeat):
-        if fn.__name__ == "kernel":  # a stall first, then clearly faster than the bf16 kernel
-            kernel_timings.append(repeat)
-            return 1.0 if len(kernel_timings) == 1 else 0.1
-        if fn.__name__ == "dequantized":
-            return 2.0
-        return 0.5  # the bf16 kernel (a lambda), never below its best
-
-    monkeypatch.setattr(quantized_linear, "best_time", noisy_best_time)
-    w = random_blocks(QT.Q8_0, 8, 64)
-    rows, bf16_rows, amx_rows = quantized_linear.measure_kernel_max_rows(
-        w, int(QT.Q8_0), 8, 64, isa=-1, bf16=True, bf16_kernel=True, candidates=(1, 2)
-    )
-    assert (rows, bf16_rows, amx_rows) == (2, 0, 0)
-    assert kernel_timings == [3, 9, 3]
-
-    # a real loss (the kernel slower in the longer timings too) still ends the range
-    monkeypatch.setattr(
-        quantized_linear,
-        "best_time",
-        lambda fn, repeat: {"kernel": 1.0, "dequantized": 2.0}.get(fn.__name__, 0.5),
-    )
-    assert quantized_linear.measure_kernel_max_rows(
-        w, int(QT.Q8_0), 8, 64, isa=-1, bf16=True, bf16_kernel=True, candidates=(1, 2)
-    ) == (0, 2, 0)

@@ -152,7 +152,7 @@ def measure_kernel_max_rows(
     search stops at its first loss (a kernel's cost grows with rows, the dequantized matmul's
     mostly does not). ``bf16``: the dequantized matmul runs in bfloat16 (a bf16 model on a CPU
     with native bf16), as ``quant_linear`` then does."""
-    kernel_rows = bf16_rows = amx_rows = 0
+    kernel_rows = bf16_rows = 0
     in_kernel = True
     for m in candidates:
         x = torch.randn(m, in_features)
@@ -201,6 +201,6 @@ def measure_kernel_max_rows(
         if bf16_time > dense:
             break
         bf16_rows = m
-    if amx and bf16_rows > kernel_rows:
-        amx_rows = kernel_rows + 1  # every row of the bf16 range on AMX tiles
+    # with AMX every row of the bf16 range is on AMX tiles
+    amx_rows = kernel_rows + 1 if amx and bf16_rows > kernel_rows else 0
     return kernel_rows, bf16_rows, amx_rows

@@ -568,9 +568,9 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* tables, int
   for (int64_t b = 0; b < B; ++b) rows_total += lens[b] * KVH;
   // below ~512 K/V rows the threads cost more to wake than they save (benchmarks/
   // paged_attention.py, bf16, 2 threads, 3 alternating rounds on the AMX Xeon with the
-  // threshold behind a temporary switch: B 1 x 128
-  // tokens even; B 1 x 256 23-24 us on two threads against 26-38 on one; B 4 x 1024 156-204
-  // against 213-251; the threshold was 8192 rows before the faster kernels). A task is
+  // threshold behind a temporary switch: B 1 x 128 tokens even; B 1 x 256 23-24 us on two
+  // threads against 26-38 on one; B 4 x 1024 156-204 against 213-251; the threshold was
+  // 8192 rows before the faster kernels). A task is
   // (b, kv head h): one head per task measured 1.4-1.6x faster from DRAM than whole requests
   // (each block read front to back). Tasks are b-major and the runner sorts decodes by length,
   // so worker w takes tasks w, w + W, ... (round robin), not a contiguous all-short or
