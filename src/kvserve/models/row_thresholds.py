@@ -34,8 +34,9 @@ REMEASURE_ENV = "KVSERVE_REMEASURE"
 FILE_NAME = "row-thresholds.json"
 # 2: a loss of the float32 kernel to the bf16 one is confirmed before it is stored (entries
 # measured by version 1 may hold a noisy loss at 1 row); 3: on AMX CPUs the bf16 range is all
-# AMX tiles (entries of version 2 may hand 9-15 rows to the VDPBF16PS tiles)
-FORMAT_VERSION = 3
+# AMX tiles (entries of version 2 may hand 9-15 rows to the VDPBF16PS tiles); 4: a loss of the
+# bf16 kernel to dequantize + matmul is confirmed too (version 3 may end its range early)
+FORMAT_VERSION = 4
 
 Thresholds = tuple[int, int, int]  # (kernel_max_rows, bf16_kernel_max_rows, amx_min_rows)
 
