@@ -24,6 +24,7 @@
 #include "cpu_isa.h"
 #include "paged_attention.h"
 #include "vec_exp.h"
+#include "vec_reduce.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -414,23 +415,9 @@ KV_AVX512 inline void bf16_pairs(const BFloat16* p, __m512& even, __m512& odd) {
 
 // v: 16 vectors (rows) of 16 floats -> one vector whose lane r is the sum of row r
 KV_AVX512 inline __m512 reduce16(const float* v) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i+1 interleaved
-    const __m512 a = _mm512_load_ps(v + 32 * i), b = _mm512_load_ps(v + 32 * i + 16);
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: rows 4i .. 4i+3, in order
-    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // fold the four 128-bit lanes of each u: lane q of the result holds rows 4q .. 4q+3
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
-                                   _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
-                                   _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
-                       _mm512_shuffle_f32x4(x01, x23, 0xDD));
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_load_ps(v + 16 * i);
+  return kvserve_vec::reduce16(a);
 }
 
 // Floats of scratch attend_task_bf16 needs per worker (beyond the (G, max_len) scores).

@@ -27,6 +27,7 @@
 
 #include "quant_kernels.h"
 #include "quant_panel.h"
+#include "vec_reduce.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -57,27 +58,6 @@ KV_BF16 void to_bf16(const float* src, int64_t n, uint16_t* dst) {
     const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
     _mm512_storeu_si512(dst + i, reinterpret_cast<__m512i>(v));
   }
-}
-
-// 16 vectors -> one vector whose lane i is the sum of a[i]'s lanes (in registers: the 16 sums
-// of a full 4 x 4 dot tile cost ~45 shuffles and adds, against ~8 each by _mm512_reduce_add_ps,
-// which at K = 576 was a third as many instructions as the tile's 288 products)
-KV_BF16 inline __m512 reduce16(const __m512* a) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: vectors 2i, 2i+1 interleaved
-    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: vectors 4i .. 4i+3, in order
-    const __m512d x = _mm512_castps_pd(t[2 * i]), y = _mm512_castps_pd(t[2 * i + 1]);
-    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44),
-                                   _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
-                                   _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
-                       _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
 // out[m * ldo + r] (=, or +=) sum_k x[m * ldx + k] * w[r * ldw + k], bf16 inputs, f32 sums;
@@ -113,8 +93,10 @@ KV_BF16 void tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_
     }
   }
   if constexpr (MT == 4 && kNR == 4) {
-    if (nr == kNR) {  // a full 4 x 4 tile: the 16 sums by one transpose-add tree
-      const __m512 sums = reduce16(acc[0][0]);  // lane 4m + r: activation row m, weight row r
+    if (nr == kNR) {  // a full 4 x 4 tile: the 16 sums by one transpose-add tree (at
+      // K = 576, 16 _mm512_reduce_add_ps were a third as many instructions as the 288 products)
+      // lane 4m + r: activation row m, weight row r
+      const __m512 sums = kvserve_vec::reduce16(acc[0][0]);
       for (int m = 0; m < MT; ++m) {
         __m128 v = m == 0   ? _mm512_castps512_ps128(sums)
                    : m == 1 ? _mm512_extractf32x4_ps(sums, 1)
