@@ -162,18 +162,19 @@ def measure_kernel_max_rows(
             w = torch.ops.kvserve.dequantize(qweight, qtype, out_features, in_features)
             return F.linear(xb, w.to(torch.bfloat16)) if bf16 else F.linear(x, w)
 
-        def bf16_op(amx_min_rows: int, xb=xb, repeat: int = repeat) -> float:
+        def bf16_op(repeat: int = repeat, xb=xb) -> float:
+            # the AMX tiles where the CPU has them (amx_min_rows 1), else the VDPBF16PS ones
             return best_time(
                 lambda: torch.ops.kvserve.quant_matmul_bf16(
-                    xb, qweight, qtype, out_features, amx_min_rows
+                    xb, qweight, qtype, out_features, 1 if amx else 0
                 ),
                 repeat,
             )
 
         dense = best_time(dequantized, repeat)
         bf16_time = float("inf")
-        if bf16_kernel:  # the AMX tiles where the CPU has them, else the VDPBF16PS ones
-            bf16_time = bf16_op(1 if amx else 0)
+        if bf16_kernel:
+            bf16_time = bf16_op()
         if in_kernel:
 
             def kernel(x=x) -> torch.Tensor:
@@ -205,7 +206,7 @@ def measure_kernel_max_rows(
             # timings give 512; offline-64 then dequantized that weight every decode step
             # above 16 requests and ran 52.5 s against 46.5 s (one run each).
             dense = min(dense, best_time(dequantized, 3 * repeat))
-            bf16_time = min(bf16_time, bf16_op(1 if amx else 0, repeat=3 * repeat))
+            bf16_time = min(bf16_time, bf16_op(3 * repeat))
         if bf16_time > dense:
             break
         bf16_rows = m
