@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -168,14 +169,56 @@ def subscribe(ctx: zmq.Context, endpoint: str, topic: bytes = b"") -> zmq.Socket
     return sub
 
 
-def receive(sub: zmq.Socket, state: set[bytes], until) -> list[int]:
-    """Apply batches until ``until(state)``; returns their sequence numbers."""
-    seqs = []
-    while not until(state):
-        topic, seq, payload = sub.recv_multipart()
-        seqs.append(int.from_bytes(seq, "big"))
+def replay_from(req: zmq.Socket, first: int) -> list[tuple[int, bytes]]:
+    """The publisher's buffered batches from sequence number ``first`` on."""
+    req.send_multipart((b"", first.to_bytes(8, "big")))
+    batches = []
+    while True:
+        _, seq, payload = req.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            return batches
+        batches.append((int.from_bytes(seq, "big"), payload))
+
+
+class Subscriber:
+    """vLLM's subscriber protocol: live batches from SUB, and a gap (a batch sent before the
+    subscription reached the publisher: ZMQ's "slow joiner", or dropped) filled from the replay
+    socket. ``seqs`` are the sequence numbers applied, in order."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str) -> None:
+        self.sub = subscribe(ctx, endpoint, b"kv")
+        self.sub.setsockopt(zmq.RCVTIMEO, 500)
+        self.req = ctx.socket(zmq.DEALER)
+        self.req.setsockopt(zmq.RCVTIMEO, 10_000)
+        self.req.connect(replay_endpoint)
+        self.seqs: list[int] = []
+
+    def _apply(self, state: set[bytes], seq: int, payload: bytes) -> None:
+        self.seqs.append(seq)
         apply(state, DECODER.decode(payload))
-    return seqs
+
+    def receive(self, state: set[bytes], until, timeout: float = 20.0) -> None:
+        """Apply batches until ``until(state)``."""
+        deadline = time.monotonic() + timeout
+        while not until(state):
+            assert time.monotonic() < deadline, f"no state satisfied the test after {self.seqs}"
+            try:
+                _, seq_bytes, payload = self.sub.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big")
+            except zmq.Again:  # quiet: anything sent but not heard is in the replay buffer
+                seq, payload = None, b""
+            if seq is not None and seq < len(self.seqs):
+                continue  # already applied from a replay
+            if seq is None or seq > len(self.seqs):
+                for s, p in replay_from(self.req, len(self.seqs)):
+                    if s == len(self.seqs):
+                        self._apply(state, s, p)
+            if seq is not None and seq == len(self.seqs):
+                self._apply(state, seq, payload)
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.req.close(linger=0)
 
 
 def test_zmq_subscriber_rebuilds_an_async_engines_pool(
@@ -185,7 +228,7 @@ def test_zmq_subscriber_rebuilds_an_async_engines_pool(
     replay_endpoint = f"ipc://{tmp_path}/replay"
     publisher = ZmqEventPublisher(KVEventsConfig(endpoint, replay_endpoint, topic="kv"))
     ctx = zmq.Context()
-    sub = subscribe(ctx, endpoint, b"kv")
+    subscriber = Subscriber(ctx, endpoint, replay_endpoint)
     engine = make_engine(session)
     loop_engine = AsyncEngine(engine, publish_kv_events=publisher.publish)
     loop_engine.start()
@@ -202,30 +245,21 @@ def test_zmq_subscriber_rebuilds_an_async_engines_pool(
         pool = engine.kv_manager.pool
         # the loop is idle now (every stream ended): the pool no longer changes
         state: set[bytes] = set()
-        seqs = receive(sub, state, lambda s: s == set(pool.cached) and len(s) > 0)
-        assert seqs == list(range(len(seqs)))  # in order from 0, nothing lost
+        subscriber.receive(state, lambda s: s == set(pool.cached) and len(s) > 0)
         flushed = asyncio.run(loop_engine.flush_prefix_cache())
         assert flushed > 0
-        receive(sub, state, lambda s: not s)
-        # a late subscriber fetches the history from the replay socket
-        req = ctx.socket(zmq.DEALER)
-        req.setsockopt(zmq.RCVTIMEO, 10_000)
-        req.connect(replay_endpoint)
-        req.send_multipart((b"", (0).to_bytes(8, "big")))
+        subscriber.receive(state, lambda s: not s)
+        # a late subscriber fetches the whole history from the replay socket
         replayed: set[bytes] = set()
         got = []
-        while True:
-            _, seq, payload = req.recv_multipart()
-            if int.from_bytes(seq, "big", signed=True) == -1:
-                break
-            got.append(int.from_bytes(seq, "big"))
+        for seq, payload in replay_from(subscriber.req, 0):
+            got.append(seq)
             apply(replayed, DECODER.decode(payload))
         assert got == list(range(publisher.num_published)) and replayed == set()
-        req.close(linger=0)
     finally:
         loop_engine.shutdown()
         publisher.shutdown()
-        sub.close(linger=0)
+        subscriber.close()
         ctx.term()
 
 
