@@ -1,7 +1,8 @@
-"""The AMX prefill attention kernel (kvserve::paged_prefill_attention) against causal attention
-over each request's own K/V in float32, and PagedAttention's choice of it. The kernel runs only
-on CPUs with AMX-BF16; elsewhere these tests skip, saying so, and prefill takes the per-request
-SDPA path that tests/test_paged_attention.py covers on every machine."""
+"""The prefill attention kernel (kvserve::paged_prefill_attention) against causal attention
+over each request's own K/V in float32, and PagedAttention's choice of it. The kernel runs on
+CPUs with AVX-512-BF16: with VDPBF16PS, and on AMX tiles where the CPU has AMX-BF16 (both
+tested there); elsewhere these tests skip, saying so, and prefill takes the per-request SDPA
+path that tests/test_paged_attention.py covers on every machine."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import torch
 from kvserve.attention.backend import causal_attention
 from kvserve.attention.paged import AttentionMetadata, PagedAttention, reference_paged_attention
 from kvserve.kernels.build import load_kernels
-from kvserve.kernels.paged_attention_ops import paged_prefill_attention, prefill_kernel_available
+from kvserve.kernels.paged_attention_ops import (
+    PREFILL_TILES_AMX,
+    PREFILL_TILES_BF16,
+    paged_prefill_attention,
+    prefill_kernel_available,
+    prefill_tiles,
+)
 from kvserve.kv.spec import KVCacheSpec
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.platform import CPU_FEATURES_ENV
@@ -19,8 +26,10 @@ from kvserve.platform import CPU_FEATURES_ENV
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
     not (load_kernels() and prefill_kernel_available(CPU, torch.bfloat16, 64)),
-    reason="the prefill attention kernel needs AMX-BF16 and the C++ extension",
+    reason="the prefill attention kernel needs AVX-512-BF16 and the C++ extension",
 )
+# every path this CPU runs: VDPBF16PS always (where the kernel runs at all), AMX where it has it
+TILES = [PREFILL_TILES_BF16] + ([PREFILL_TILES_AMX] if prefill_tiles() == PREFILL_TILES_AMX else [])
 # outputs are ~N(0, 1/sqrt(n)); the kernel rounds P and the output to bfloat16, as SDPA's flash
 # kernel does, so it is compared with float32 attention over the same bf16 values at bf16's step
 TOL = dict(atol=1.6e-2, rtol=1.6e-2)
@@ -68,23 +77,25 @@ def dense_reference(q, kc, vc, tables, qsl, lens, scale) -> torch.Tensor:
         ([40, 41, 42, 43, 44, 45], [40, 1, 42, 3, 44, 5], 16, 4, 256, 16),
     ],
 )
-def test_kernel_matches_causal_attention(lens, qlens, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("tiles", TILES)
+def test_kernel_matches_causal_attention(lens, qlens, heads, kv_heads, head_dim, block_size, tiles):
     args = paged_case(lens, qlens, heads, kv_heads, head_dim, block_size)
     scale = head_dim**-0.5
-    out = paged_prefill_attention(*args, scale)
+    out = paged_prefill_attention(*args, scale, tiles=tiles)
     assert out.dtype == torch.bfloat16 and out.shape == args[0].shape
     torch.testing.assert_close(out.float(), dense_reference(*args, scale), **TOL)
 
 
-def test_kernel_reads_only_the_requests_blocks():
+@pytest.mark.parametrize("tiles", TILES)
+def test_kernel_reads_only_the_requests_blocks(tiles):
     q, kc, vc, tables, qsl, lens = paged_case([50, 20], [50, 20], 9, 3, 64, 16, seed=1)
-    before = paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125)
+    before = paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125, tiles=tiles)
     used = set(tables[0, :4].tolist()) | set(tables[1, :2].tolist())
     for b in range(kc.shape[0]):  # scribble NaN over every block nobody reads
         if b not in used:
             kc[b], vc[b] = float("nan"), float("nan")
     kc[tables[1, 1], 4:], vc[tables[1, 1], 4:] = float("nan"), float("nan")  # past seq_len 20
-    after = paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125)
+    after = paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125, tiles=tiles)
     assert torch.equal(before, after)
 
 
@@ -107,7 +118,8 @@ def test_kernel_refuses_bad_tables(qsl, lens, tables, match):
 
 def test_paged_attention_takes_the_kernel_for_prefill(monkeypatch):
     """Decodes plus prefill chunks (one after a cached prefix) at head_dim 64: the step's
-    prefill goes through the kernel and matches the reference; capped below AMX it does not."""
+    prefill goes through the kernel and matches the reference; capped below AVX-512-BF16 it
+    does not."""
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
     seq_lens, query_lens = [7, 30, 90, 40], [1, 1, 90, 25]
     gen = torch.Generator().manual_seed(3)
@@ -151,8 +163,17 @@ def test_paged_attention_takes_the_kernel_for_prefill(monkeypatch):
     ref = reference_paged_attention(storage, md, 0, q, head_dim**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), **TOL)
 
-    monkeypatch.setenv(CPU_FEATURES_ENV, "avx512_bf16")  # AMX capped away: per-request SDPA
+    monkeypatch.setenv(CPU_FEATURES_ENV, "avx512")  # bf16 capped away: per-request SDPA
     calls.clear()
     capped = PagedAttention(storage, md, head_dim**-0.5)(0, q, k, v)
     assert calls == []
     torch.testing.assert_close(capped.float(), ref.float(), **TOL)
+
+
+def test_kernel_refuses_a_path_the_cpu_lacks():
+    q, kc, vc, tables, qsl, lens = paged_case([16], [16], 9, 3, 64, 16)
+    with pytest.raises(RuntimeError, match="tiles must be -1"):
+        paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125, tiles=2)
+    if prefill_tiles() != PREFILL_TILES_AMX:
+        with pytest.raises(RuntimeError, match="on AMX tiles needs AMX-BF16"):
+            paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125, tiles=PREFILL_TILES_AMX)

@@ -20,9 +20,9 @@ and then attends:
   (B, S, kv_heads, head_dim), mask keys past its length, one SDPA call per group with the
   query heads folded into their KV groups (small groups measured ~3x faster than one call
   over 64 requests on CPU, and pad less);
-- prefill chunks over a bfloat16 cache on CPUs with AMX-BF16: all of the step's chunks in one
-  ``kvserve::paged_prefill_attention`` call, reading K/V in place through the block tables
-  (kernels/paged_attention_ops.py);
+- prefill chunks over a bfloat16 cache on CPUs with AVX-512-BF16 (on AMX tiles where there
+  are): all of the step's chunks in one ``kvserve::paged_prefill_attention`` call, reading K/V
+  in place through the block tables (kernels/paged_attention_ops.py);
 - otherwise prefill chunks one request at a time: gather its blocks, causal attention whose
   offset is the number of tokens already cached (new tokens see the cached prefix plus
   earlier new tokens).
@@ -192,7 +192,7 @@ class PagedAttention:
         return self.storage.plane(layer_idx, "k"), self.storage.plane(layer_idx, "v")
 
     def _prefill_kernel(self, kp, vp, q: torch.Tensor) -> bool:
-        """The AMX prefill kernel serves this layer's planes: float bfloat16 K/V, bf16 queries."""
+        """The prefill kernel serves this layer's planes: float bfloat16 K/V, bf16 queries."""
         if kp.dtype.is_quantized or vp.dtype.is_quantized or q.dtype != torch.bfloat16:
             return False
         if kp.codes.dtype != torch.bfloat16 or vp.codes.dtype != torch.bfloat16:

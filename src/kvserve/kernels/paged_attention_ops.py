@@ -18,8 +18,8 @@ measured every quantized format faster than the float kernel over bfloat16 at B 
 (1.1-1.3x at 2048 tokens from L3, 1.6-1.8x at B 64 from DRAM).
 
 ``torch.ops.kvserve.paged_prefill_attention`` attends the prefill chunks of a step, all in one
-call, over a bfloat16 cache through AMX tiles (CPUs with AMX-BF16), instead of one gather and
-one SDPA call per request: ``python -m benchmarks.prefill_attention`` on a 2-core Sapphire
+call, over a bfloat16 cache through AMX tiles (CPUs with AMX-BF16) or VDPBF16PS (AVX-512-BF16
+without AMX), instead of one gather and one SDPA call per request: ``python -m benchmarks.prefill_attention`` on a 2-core Sapphire
 Rapids guest, eight requests of 32..512 tokens, 2 threads: 5.84 ms against 13.92 ms (2.38x;
 2.23x for four chunks after a 256-token cached prefix, 2.27x on 1 thread); offline-64's
 prefill alone 12.8-13.9 s -> 10.6-12.1 s (a throwaway A/B script in one process, the
@@ -54,18 +54,37 @@ def default_isa() -> int:
     return _isa_for_cap(cap) if cap else ISA_BEST
 
 
+# paged_prefill_attention's `tiles` argument
+PREFILL_TILES_BEST, PREFILL_TILES_BF16, PREFILL_TILES_AMX = -1, 0, 1
+
+
 @functools.cache
-def _amx_for_cap(cap: str) -> bool:
-    return detect_cpu_features(cap).amx_bf16 and bool(torch.ops.kvserve.cpu_has_amx_bf16())
+def _prefill_tiles_for_cap(cap: str) -> int | None:
+    """The prefill kernel's tiles on this CPU under the cap: AMX, VDPBF16PS, or None."""
+    features = detect_cpu_features(cap)
+    if not (features.avx512_bf16 and features.avx512 and torch.ops.kvserve.cpu_has_avx512_bf16()):
+        return None
+    if features.amx_bf16 and torch.ops.kvserve.cpu_has_amx_bf16():
+        return PREFILL_TILES_AMX
+    return PREFILL_TILES_BF16
+
+
+def prefill_tiles() -> int | None:
+    """The tiles ``paged_prefill_attention`` runs on here (KVSERVE_CPU_FEATURES applied):
+    PREFILL_TILES_AMX, PREFILL_TILES_BF16, or None where the kernel cannot run."""
+    if not load_kernels():
+        return None
+    return _prefill_tiles_for_cap(os.environ.get(CPU_FEATURES_ENV, ""))
 
 
 def prefill_kernel_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """True when ``paged_prefill_attention`` can serve prefill chunks: CPU with AMX-BF16 (not
-    capped away by KVSERVE_CPU_FEATURES), extension loaded, a bfloat16 cache and queries, and
-    a head_dim in PREFILL_HEAD_DIMS. Elsewhere prefill stays on SDPA."""
+    """True when ``paged_prefill_attention`` can serve prefill chunks: CPU with AVX-512-BF16
+    (AMX tiles where it has them; neither capped away by KVSERVE_CPU_FEATURES), extension
+    loaded, a bfloat16 cache and queries, and a head_dim in PREFILL_HEAD_DIMS. Elsewhere
+    prefill stays on SDPA."""
     if not (device.type == "cpu" and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS):
         return False
-    return load_kernels() and _amx_for_cap(os.environ.get(CPU_FEATURES_ENV, ""))
+    return prefill_tiles() is not None
 
 
 def decode_kernel_available(device: torch.device) -> bool:
@@ -106,10 +125,12 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    tiles: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks over the paged cache, read in place through the block
-    tables, on AMX tiles (``csrc/prefill_attention_amx.cpp``; ``prefill_kernel_available``
-    says where it runs).
+    tables, on AMX tiles or with VDPBF16PS (``csrc/prefill_attention.cpp``;
+    ``prefill_kernel_available`` says where it runs). ``tiles``: None = ``prefill_tiles()``,
+    or PREFILL_TILES_BEST / _BF16 / _AMX (one the CPU lacks raises).
 
     q: (T, num_heads, head_dim) bfloat16, request b owning rows [query_start_loc[b],
     query_start_loc[b + 1]); key_cache / value_cache (num_blocks, block_size, num_kv_heads,
@@ -119,8 +140,11 @@ def paged_prefill_attention(
     (T, num_heads, head_dim) bfloat16; bf16 products summed in float32, the probabilities
     rounded to bfloat16 as SDPA's flash kernel does.
     """
+    if tiles is None:
+        tiles = prefill_tiles()
+        tiles = PREFILL_TILES_BEST if tiles is None else tiles  # (then the kernel says why not)
     return torch.ops.kvserve.paged_prefill_attention(
-        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale
+        q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, tiles
     )
 
 

@@ -1,4 +1,4 @@
-// The AMX tile set-up shared by the AMX kernels (quant_amx.cpp, prefill_attention_amx.cpp):
+// The AMX tile set-up shared by the AMX kernels (quant_amx.cpp, prefill_attention.cpp):
 // the target attribute and one configuration, every tile 16 rows x 64 bytes (16 x 32 bf16
 // for A/B, 16 x 16 float32 for C). The configuration is per thread: each worker loads it
 // before its first tile instruction and releases the tiles when done.

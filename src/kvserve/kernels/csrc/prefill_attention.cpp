@@ -1,5 +1,6 @@
 // kvserve::paged_prefill_attention: causal attention of prefill chunks over a bfloat16 paged
-// KV cache, read through the block tables, on AMX tiles (CPUs with AMX-BF16).
+// KV cache, read through the block tables, on AMX tiles (CPUs with AMX-BF16) or with
+// VDPBF16PS (AVX-512-BF16 without AMX: prefill_tiles_bf16.h).
 //
 //   q      (T, H, D) bf16: the chunks' queries, request b owning rows [qsl[b], qsl[b + 1])
 //   caches (num_blocks, bs, KVH, D) bf16;  block_tables (B, width);  seq_lens (B)
@@ -12,7 +13,8 @@
 //
 // Why: prefill went through SDPA's flash kernel one request at a time, after gathering the
 // request's blocks; on a 2-core Sapphire Rapids guest that ran at ~60 GFLOP/s and took a
-// quarter of offline-64's prefill. AMX does the two products 16 x 16 x 32 per instruction.
+// quarter of offline-64's prefill (on a Zen 4, 3.5 of its ~13 s). AMX does the two products
+// 16 x 16 x 32 per instruction; VDPBF16PS 16 x 2 per instruction, from the same packing.
 //
 // Flash attention with rows = (token, head of the KV group) pairs, 16 per work item (one A /
 // C tile height), so a KV head's keys serve its whole query group at once:
@@ -31,6 +33,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -50,6 +53,8 @@ constexpr int kTileK = 32;  // bf16 values per tile row
 #if defined(__x86_64__) && defined(__linux__)
 
 using kvserve_amx::transpose16;
+
+#include "prefill_tiles_bf16.h"
 
 // Keys [0, L) of one KV head -> nkb blocks of Kp and Vp (see the top), zero past L. Per 16
 // keys (one key tile): K's dim pairs are a 16 x 16 transpose of 32-bit words; V's key pairs
@@ -215,6 +220,7 @@ struct Problem {
   float scale;
 };
 
+template <bool Amx>
 KV_AMX void run_item(const Problem& pb, const Item& it, Scratch& w) {
   const int64_t D = pb.D, G = pb.G, b = it.req;
   const int64_t n = pb.qsl[b + 1] - pb.qsl[b], rows = n * G, offset = pb.lens[b] - n;
@@ -235,11 +241,19 @@ KV_AMX void run_item(const Problem& pb, const Item& it, Scratch& w) {
   const int64_t nkb = last_max / kKB + 1;  // blocks with a visible key
   for (int64_t kb = 0; kb < nkb; kb += kSpan) {
     const int64_t span = std::min<int64_t>(kSpan, nkb - kb);
-    for (int64_t j = 0; j < span; ++j)
-      scores(w.q, pb.kp + base + (kb + j) * per_block, D, w.s + j * kKB);
+    for (int64_t j = 0; j < span; ++j) {
+      if constexpr (Amx)
+        scores(w.q, pb.kp + base + (kb + j) * per_block, D, w.s + j * kKB);
+      else
+        scores_bf16(w.q, pb.kp + base + (kb + j) * per_block, D, w.s + j * kKB);
+    }
     softmax_span(w, kb * kKB, span * kKB, D, pb.scale);
-    for (int64_t j = 0; j < span; ++j)
-      values(w.p + j * kKB, pb.vp + base + (kb + j) * per_block, D, w.o);
+    for (int64_t j = 0; j < span; ++j) {
+      if constexpr (Amx)
+        values(w.p + j * kKB, pb.vp + base + (kb + j) * per_block, D, w.o);
+      else
+        values_bf16(w.p + j * kKB, pb.vp + base + (kb + j) * per_block, D, w.o);
+    }
   }
   for (int r = 0; r < kT && it.row0 + r < rows; ++r) {
     const int64_t row = it.row0 + r, t = row / G, g = row % G;
@@ -252,12 +266,13 @@ KV_AMX void run_item(const Problem& pb, const Item& it, Scratch& w) {
   }
 }
 
+template <bool Amx>
 KV_AMX void run_items(const Problem& pb, const std::vector<Item>& items, std::atomic<int64_t>& next) {
-  kvserve_amx::configure_tiles();
+  if constexpr (Amx) kvserve_amx::configure_tiles();
   auto w = std::make_unique<Scratch>();
   for (int64_t i = next.fetch_add(1); i < int64_t(items.size()); i = next.fetch_add(1))
-    run_item(pb, items[i], *w);
-  _tile_release();
+    run_item<Amx>(pb, items[i], *w);
+  if constexpr (Amx) _tile_release();
 }
 
 #endif  // x86_64 Linux
@@ -266,10 +281,16 @@ at::Tensor paged_prefill_attention_cpu(const at::Tensor& q, const at::Tensor& ke
                                        const at::Tensor& value_cache,
                                        const at::Tensor& block_tables,
                                        const at::Tensor& query_start_loc,
-                                       const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(kvserve_quant::has_amx_bf16(),
-              "paged_prefill_attention needs AMX-BF16 (and the OS's tile permission); this CPU "
-              "has not: use kvserve.attention.backend.causal_attention");
+                                       const at::Tensor& seq_lens, double scale,
+                                       int64_t tiles) {
+  TORCH_CHECK(tiles >= -1 && tiles <= 1, "paged_prefill_attention: tiles must be -1 (best), "
+              "0 (VDPBF16PS) or 1 (AMX), got ", tiles);
+  const bool amx_ok = kvserve_quant::has_amx_bf16();
+  TORCH_CHECK(kvserve_quant::has_avx512_bf16() && (tiles != 1 || amx_ok),
+              "paged_prefill_attention", tiles == 1 ? " on AMX tiles needs AMX-BF16 (and the "
+              "OS's tile permission)" : " needs AVX-512-BF16", "; this CPU has not: use "
+              "kvserve.attention.backend.causal_attention");
+  const bool amx = tiles == 1 || (tiles == -1 && amx_ok);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.is_contiguous(),
               "paged_prefill_attention: q must be contiguous (T, H, D) bfloat16, got ",
               q.sizes(), " ", q.scalar_type());
@@ -340,14 +361,19 @@ at::Tensor paged_prefill_attention_cpu(const at::Tensor& q, const at::Tensor& ke
                    pack_off.data(), H, KVH, D, G, static_cast<float>(scale)};
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { run_items(pb, items, next); });
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    if (amx)
+      run_items<true>(pb, items, next);
+    else
+      run_items<false>(pb, items, next);
+  });
 #endif
   return out;
 }
 
 at::Tensor paged_prefill_attention_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                        double) {
+                                        double, int64_t) {
   return at::empty_symint(q.sym_sizes(), q.options());
 }
 
@@ -355,7 +381,8 @@ at::Tensor paged_prefill_attention_meta(const at::Tensor& q, const at::Tensor&, 
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("paged_prefill_attention(Tensor q, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+        "int tiles=-1) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("paged_prefill_attention", &paged_prefill_attention_cpu);
