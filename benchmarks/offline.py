@@ -30,12 +30,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import plot
+from benchmarks import compute_floor, plot
 from benchmarks.common import (
     PeerProcess,
     default_peer_python,
     export_hf_dir_model,
     kvserve_llm,
+    measure_bandwidth,
     peers_dir,
     with_dtype_fallback,
     workload_offline,
@@ -205,6 +206,18 @@ def main(argv: list[str] | None = None) -> None:
     for peer in ("vllm", "hf-static"):
         if peer in rates:
             print(f"ratio kvserve / {peer}: {rates['kvserve'] / rates[peer]:.2f}x")
+    # measured after the runs, with the peer closed: the floor any exact engine in this dtype
+    # stays above here (benchmarks/compute_floor.py)
+    floor = compute_floor.measure_floor(
+        llm.session.config,
+        llm.session.model.dtype,
+        llm.engine.spec.bytes_per_token,
+        [len(p) for p in prompts],
+        outputs,
+        measure_bandwidth(),
+    )
+    for line in compute_floor.describe(floor, resolved, seconds):
+        print(line)
     if args.plot:
         draw(args.plot, title, rates, seconds)
 
