@@ -11,8 +11,9 @@ Two lower bounds, each measured here, not taken from a datasheet:
   every layer) at the memory bandwidth of a streaming read.
 
 An exact engine computes at least these FLOPs in this dtype and reads at least these bytes, so
-its time is above ``floor_s``; an aim of "N x a peer" below the floor is out of reach for any
-exact kernel, however good. Attention's own FLOPs, norms, rotary and sampling are left out
+its time stays above ``floor_s`` (up to the few percent by which a matmul could beat oneDNN's);
+an aim of "N x a peer" that asks for less time than the floor is out of reach for any exact
+kernel, however good. Attention's own FLOPs, norms, rotary and sampling are left out
 (the floor stays a floor).
 """
 

@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     for peer in ("vllm", "hf-static"):
         if peer in rates:
             print(f"ratio kvserve / {peer}: {rates['kvserve'] / rates[peer]:.2f}x")
-    # measured after the runs, with the peer closed: the floor any exact engine in this dtype
-    # stays above here (benchmarks/compute_floor.py)
+    # measured after the runs, with the peer closed: what the workload's arithmetic and K/V
+    # reads alone take here, in this dtype (benchmarks/compute_floor.py)
     floor = compute_floor.measure_floor(
         llm.session.config,
         llm.session.model.dtype,
