@@ -7,8 +7,12 @@ Two lower bounds, each measured here, not taken from a datasheet:
   matmul reaches in the model's dtype (``F.linear`` on a layer-shaped product, which oneDNN runs
   within a few percent of the CPU's peak: bf16 at ~97% of VDPBF16PS's 2 x 216 GFLOP/s on a
   2-core Zen 4);
-- the bytes of K and V the decode steps read (each step reads its request's whole context, in
-  every layer) at the memory bandwidth of a streaming read.
+- the bytes of K and V the decode steps read (each step reads what its request's cache holds:
+  the whole context in a full-attention layer, the window and sinks in a sliding one) at the
+  memory bandwidth of a streaming read.
+
+Counted for the Llama family (models/config.py's SUPPORTED_MODEL_TYPES: dense MLP, q/k/v/o);
+another architecture (DeepSeek's MLA + MoE) is refused rather than miscounted.
 
 An exact engine computes at least these FLOPs in this dtype and reads at least these bytes, so
 its time stays above ``floor_s`` (up to the few percent by which a matmul could beat oneDNN's);
@@ -20,10 +24,13 @@ kernel, however good. Attention's own FLOPs, norms, rotary and sampling are left
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.models.config import SUPPORTED_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,11 @@ class ComputeFloor:
 def linear_flops_per_token(config) -> tuple[int, int]:
     """(FLOPs of one token through every decoder layer's projections, FLOPs of its lm_head
     row) for a Llama-family config (HF names)."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"the floor counts the linear layers of {', '.join(SUPPORTED_MODEL_TYPES)}, got "
+            f"model_type {config.model_type!r}"
+        )
     h, d = config.hidden_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     per_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * config.intermediate_size
@@ -66,14 +78,16 @@ def workload_linear_flops(config, prompt_lens: list[int], output_lens: list[int]
 
 
 def workload_kv_read_bytes(
-    prompt_lens: list[int], output_lens: list[int], kv_bytes_per_token: int
+    prompt_lens: list[int], output_lens: list[int], bytes_held: Callable[[int], int]
 ) -> int:
-    """Decode step j (1 .. o-1) of a request with p prompt tokens attends over p + j tokens;
-    ``kv_bytes_per_token``: K and V of one token in all layers (KVCacheSpec.bytes_per_token)."""
-    tokens = sum(
-        (o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens, strict=True)
+    """Decode step j (1 .. o-1) of a request with p prompt tokens attends over p + j tokens,
+    reading ``bytes_held(p + j)``: the K/V bytes a request of that many tokens keeps, over all
+    layers (KVCacheSpec.bytes_held: windows and sinks applied)."""
+    return sum(
+        bytes_held(p + j)
+        for p, o in zip(prompt_lens, output_lens, strict=True)
+        for j in range(1, o)
     )
-    return tokens * kv_bytes_per_token
 
 
 def measure_matmul_flops(
@@ -100,18 +114,19 @@ def measure_matmul_flops(
 def measure_floor(
     config,
     dtype: torch.dtype,
-    kv_bytes_per_token: int,
+    bytes_held: Callable[[int], int],
     prompt_lens: list[int],
     output_lens: list[int],
     bandwidth_gb_s: float,
 ) -> ComputeFloor:
     """The floor of this workload here; the matmul rate on the model's widest layer shape
     (gate/up: 2 x intermediate outputs) at 2048 rows, a prefill-sized product."""
+    linear_flops = workload_linear_flops(config, prompt_lens, output_lens)  # refuses first
     rate = measure_matmul_flops(dtype, 2048, config.hidden_size, 2 * config.intermediate_size)
     return ComputeFloor(
-        linear_flops=float(workload_linear_flops(config, prompt_lens, output_lens)),
+        linear_flops=float(linear_flops),
         matmul_flops_s=rate,
-        kv_read_bytes=float(workload_kv_read_bytes(prompt_lens, output_lens, kv_bytes_per_token)),
+        kv_read_bytes=float(workload_kv_read_bytes(prompt_lens, output_lens, bytes_held)),
         bandwidth_bytes_s=bandwidth_gb_s * 1e9,
     )
 

@@ -1,7 +1,7 @@
 """prefill-attention: one layer's attention over a step's prefill chunks, the kernel
-(``kvserve::paged_prefill_attention`` on AMX tiles and with VDPBF16PS: every chunk in one call, K/V read through the block
-tables) against the path it replaces where it runs (per request: gather its blocks, causal
-SDPA over them).
+(``kvserve::paged_prefill_attention``, on AMX tiles and with VDPBF16PS: every chunk in one
+call, K/V read through the block tables) against the path it replaces where it runs (per
+request: gather its blocks, causal SDPA over them).
 
 Shape of the default model (SmolLM2-135M): 9 query heads, 3 KV heads, head_dim 64, block_size
 16, bfloat16. Prompt lengths uniform in [--min-len, --max-len] (offline-64's are [32, 512]),

@@ -1,6 +1,6 @@
-"""benchmarks/compute_floor.py: the FLOPs and K/V bytes a batch workload needs, counted in
-closed form, equal a step-by-step count of what an engine does; the matmul rate is positive
-and refuses empty shapes."""
+"""benchmarks/compute_floor.py: the FLOPs and K/V bytes a batch workload needs equal a
+step-by-step count of what an engine does (a sliding-window layer read up to its window);
+other architectures are refused; the matmul rate is positive and refuses empty shapes."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a package at the repository root
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import compute_floor  # noqa: E402
+from kvserve.kv.cache_dtype import CacheDtype  # noqa: E402
+from kvserve.kv.spec import KVCacheSpec  # noqa: E402
 
 # the default model's shapes (SmolLM2-135M)
 CONFIG = SimpleNamespace(
@@ -26,11 +28,15 @@ CONFIG = SimpleNamespace(
     intermediate_size=1536,
     num_hidden_layers=30,
     vocab_size=49152,
+    model_type="smollm",
 )
+BF16 = CacheDtype.of(torch.bfloat16)
 
 
-def step_by_step(prompts: list[int], outputs: list[int], kv_bytes: int) -> tuple[int, int]:
-    """What an engine does, one step at a time: each linear layer as (out, in) weight shapes."""
+def step_by_step(prompts: list[int], outputs: list[int], layer_bytes: list[tuple[int, int | None]]):
+    """What an engine does, one step at a time: each linear layer as (out, in) weight shapes;
+    each decode step reads, per cache layer (bytes per token, window or None), the rows that
+    layer holds for the request's context."""
     c = CONFIG
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = [(q, c.hidden_size), (kv, c.hidden_size), (kv, c.hidden_size), (c.hidden_size, q)]
@@ -44,15 +50,26 @@ def step_by_step(prompts: list[int], outputs: list[int], kv_bytes: int) -> tuple
         for _ in range(o - 1):  # each further token: one decode step over the whole context
             context += 1
             flops += layer + head
-            reads += context * kv_bytes
+            for nbytes, window in layer_bytes:
+                reads += nbytes * (context if window is None else min(context, window))
     return flops, reads
 
 
-def test_closed_forms_equal_a_step_by_step_count() -> None:
+def test_counts_equal_a_step_by_step_count() -> None:
     prompts, outputs = [32, 500, 77], [1, 2, 256]
-    flops, reads = step_by_step(prompts, outputs, kv_bytes=23040)
+    # 3 layers of 3 bf16 kv heads x 64: two full, one sliding over 100 tokens
+    spec = KVCacheSpec.for_layers(3, 64, BF16, BF16, 16, [None, 100, None])
+    per_layer = 2 * 3 * 64 * 2
+    layers = [(per_layer, None), (per_layer, 100), (per_layer, None)]
+    flops, reads = step_by_step(prompts, outputs, layers)
     assert compute_floor.workload_linear_flops(CONFIG, prompts, outputs) == flops
-    assert compute_floor.workload_kv_read_bytes(prompts, outputs, 23040) == reads
+    assert compute_floor.workload_kv_read_bytes(prompts, outputs, spec.bytes_held) == reads
+
+
+def test_other_architectures_are_refused_not_miscounted() -> None:
+    deepseek = SimpleNamespace(**{**vars(CONFIG), "model_type": "deepseek_v2"})
+    with pytest.raises(ValueError, match="got model_type 'deepseek_v2'"):
+        compute_floor.workload_linear_flops(deepseek, [8], [2])
 
 
 def test_the_default_models_linear_flops_per_token() -> None:

@@ -1,8 +1,10 @@
 """The prefill attention kernel (kvserve::paged_prefill_attention) against causal attention
 over each request's own K/V in float32, and PagedAttention's choice of it. The kernel runs on
 CPUs with AVX-512-BF16: with VDPBF16PS, and on AMX tiles where the CPU has AMX-BF16 (both
-tested there); elsewhere these tests skip, saying so, and prefill takes the per-request SDPA
-path that tests/test_paged_attention.py covers on every machine."""
+tested there); elsewhere the kernel's tests skip, saying so, and prefill takes the per-request
+SDPA path that tests/test_paged_attention.py covers on every machine (head_dim 16: never the
+kernel's). The choice of path, and the wrapper's refusal where the kernel cannot run, are
+tested on every machine."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from kvserve.kv.storage import KVCacheStorage
 from kvserve.platform import CPU_FEATURES_ENV
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     not (load_kernels() and prefill_kernel_available(CPU, torch.bfloat16, 64)),
     reason="the prefill attention kernel needs AVX-512-BF16 and the C++ extension",
 )
@@ -65,6 +67,7 @@ def dense_reference(q, kc, vc, tables, qsl, lens, scale) -> torch.Tensor:
     return torch.cat(outs)
 
 
+@needs_kernel
 @pytest.mark.parametrize(
     "lens,qlens,heads,kv_heads,head_dim,block_size",
     [
@@ -86,6 +89,7 @@ def test_kernel_matches_causal_attention(lens, qlens, heads, kv_heads, head_dim,
     torch.testing.assert_close(out.float(), dense_reference(*args, scale), **TOL)
 
 
+@needs_kernel
 @pytest.mark.parametrize("tiles", TILES)
 def test_kernel_reads_only_the_requests_blocks(tiles):
     q, kc, vc, tables, qsl, lens = paged_case([50, 20], [50, 20], 9, 3, 64, 16, seed=1)
@@ -99,6 +103,7 @@ def test_kernel_reads_only_the_requests_blocks(tiles):
     assert torch.equal(before, after)
 
 
+@needs_kernel
 @pytest.mark.parametrize(
     "qsl,lens,tables,match",
     [
@@ -116,6 +121,7 @@ def test_kernel_refuses_bad_tables(qsl, lens, tables, match):
         )
 
 
+@needs_kernel
 def test_paged_attention_takes_the_kernel_for_prefill(monkeypatch):
     """Decodes plus prefill chunks (one after a cached prefix) at head_dim 64: the step's
     prefill goes through the kernel and matches the reference; capped below AVX-512-BF16 it
@@ -170,6 +176,7 @@ def test_paged_attention_takes_the_kernel_for_prefill(monkeypatch):
     torch.testing.assert_close(capped.float(), ref.float(), **TOL)
 
 
+@needs_kernel
 def test_kernel_refuses_a_path_the_cpu_lacks():
     q, kc, vc, tables, qsl, lens = paged_case([16], [16], 9, 3, 64, 16)
     with pytest.raises(RuntimeError, match="tiles must be -1"):
@@ -177,3 +184,26 @@ def test_kernel_refuses_a_path_the_cpu_lacks():
     if prefill_tiles() != PREFILL_TILES_AMX:
         with pytest.raises(RuntimeError, match="on AMX tiles needs AMX-BF16"):
             paged_prefill_attention(q, kc, vc, tables, qsl, lens, 0.125, tiles=PREFILL_TILES_AMX)
+
+
+# ---- on every machine: where the kernel is chosen, and where it is refused ----
+
+
+@pytest.mark.parametrize("cap", ["avx512", "avx2", "none"])
+def test_no_prefill_kernel_below_avx512_bf16(monkeypatch, cap):
+    """Capped below AVX-512-BF16 (an AVX2-only machine's view), the kernel is never chosen,
+    whatever this CPU has, and the wrapper refuses rather than run it regardless of the cap."""
+    monkeypatch.setenv(CPU_FEATURES_ENV, cap)
+    assert prefill_tiles() is None
+    assert not prefill_kernel_available(CPU, torch.bfloat16, 64)
+    with pytest.raises(RuntimeError, match="paged_prefill_attention cannot run here"):
+        paged_prefill_attention(*paged_case([16], [16], 9, 3, 64, 16), 0.125)
+
+
+def test_no_prefill_kernel_off_its_dtype_head_dims_device_or_with_kernels_off(monkeypatch):
+    assert not prefill_kernel_available(CPU, torch.float32, 64)
+    assert not prefill_kernel_available(CPU, torch.bfloat16, 32)
+    assert not prefill_kernel_available(torch.device("meta"), torch.bfloat16, 64)
+    monkeypatch.setenv("KVSERVE_KERNELS", "0")
+    assert prefill_tiles() is None
+    assert not prefill_kernel_available(CPU, torch.bfloat16, 64)
