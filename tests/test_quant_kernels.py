@@ -196,7 +196,7 @@ def test_few_rows_in_registers_equal_batch_one_bit_for_bit(
 
 
 # rows past the ones from which quant_matmul (float32: 384 on AVX-512, 64 on AVX2) and
-# quant_matmul_bf16 (384) switch to the panel GEMM (kGemmMinRows* in csrc/quant_kernels.h);
+# quant_matmul_bf16 (128) switch to the panel GEMM (kGemmMinRows* in csrc/quant_kernels.h);
 # 401 = 66 tiles of 6 and a 5-row tail
 GEMM_ROWS = 401
 
