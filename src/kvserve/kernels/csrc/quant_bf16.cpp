@@ -189,7 +189,7 @@ KV_BF16 inline void transpose16x16_epi32(__m512i t[16]) {
 
 // 16 weight rows of kc float32 values (rows kc apart; rows nr16..15 taken as zero) -> their
 // 16 columns of the (kc / 2, 64, 2) panel at dst: each row's 32 values at a time rounded to
-// bfloat16 (nearest even, as c10::BFloat16) make 16 k pairs, one 32-bit lane each, and a
+// bfloat16 (nearest even, as the dot tiles round) make 16 k pairs, one 32-bit lane each, and a
 // transpose turns "row i, pairs 0..15" into "pair p, rows 0..15", the panel's layout.
 KV_BF16 void build_panel_group(const float* src, int64_t kc, int nr16, uint16_t* dst) {
   __m512i t[16];
