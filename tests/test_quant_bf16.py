@@ -64,24 +64,21 @@ def wb_abs(w: torch.Tensor, qtype: QT, n: int, k: int) -> torch.Tensor:
     return dequantize_ref(w, qtype, n, k).bfloat16().double().abs()
 
 
-# the row count from which the bf16 kernel takes its panel GEMM (kGemmMinRowsBf16 in
-# csrc/quant_kernels.h)
-BF16_GEMM_ROWS = 128
-
-
 @pytest.mark.parametrize("qtype", SUPPORTED_QTYPES, ids=lambda t: t.name)
 def test_panel_gemm_matches_its_definition(bf16_kernel: None, qtype: QT) -> None:
     """Around the panel GEMM's first row (one below it the dot tiles) and past it: row tails
     of its 6-row tile; weight rows filling none, part or all of a 16-row transpose group and
     of a 64-row panel (its bf16 panel is built 16 rows at a time); K across 256-value
     chunks, with a short last one."""
+    rows = int(torch.ops.kvserve.quant_bf16_gemm_min_rows())  # kGemmMinRowsBf16
+    assert rows == 128
     g = torch.Generator().manual_seed(5)
     for n, k in [(5, k_values(qtype)[1]), (30, k_values(qtype)[2]), (130, k_values(qtype)[3])]:
         w = random_blocks(qtype, n, k, seed=n + 7)
-        x = torch.randn(BF16_GEMM_ROWS + 5, k, generator=g).bfloat16()
+        x = torch.randn(rows + 5, k, generator=g).bfloat16()
         want_all = definition(x, w, qtype, n, k)
         bound_all = 1e-6 * k * (x.double().abs() @ wb_abs(w, qtype, n, k).T) + 1e-30
-        for m in (BF16_GEMM_ROWS - 1, BF16_GEMM_ROWS, BF16_GEMM_ROWS + 5):
+        for m in (rows - 1, rows, rows + 5):
             got = torch.ops.kvserve.quant_matmul_bf16(x[:m], w, int(qtype), n)
             err = (got.double() - want_all[:m]).abs()
             assert (err <= bound_all[:m]).all(), (qtype.name, m, n, k)

@@ -40,6 +40,7 @@
 
 #include "amx_tiles.h"
 #include "quant_kernels.h"  // kvserve_quant::has_amx_bf16
+#include "transpose16.h"
 #include "vec_exp.h"
 
 namespace {
@@ -52,7 +53,7 @@ constexpr int kTileK = 32;  // bf16 values per tile row
 
 #if defined(__x86_64__) && defined(__linux__)
 
-using kvserve_amx::transpose16;
+using kvserve_simd::transpose16;
 
 #include "prefill_tiles_bf16.h"
 
@@ -86,8 +87,8 @@ KV_AMX void pack_head(const uint16_t* kc, const uint16_t* vc, const int64_t* tab
     for (int64_t kt = 0; kt < kts; ++kt) {  // 16 keys x 16 dim pairs -> 16 dim pairs x 16 keys
       for (int r = 0; r < kT; ++r)
         _mm512_store_si512(words + r * kT, _mm512_loadu_si512(krow[r] + kt * kTileK));
-      transpose16(reinterpret_cast<const float*>(words),
-                  reinterpret_cast<float*>(kblk + kt * kT * kTileK));
+      transpose16(reinterpret_cast<const float*>(words), kT,
+                  reinterpret_cast<float*>(kblk + kt * kT * kTileK), kT);
     }
     uint16_t* vblk = vp + kb * per_block + (jj / 32) * dts * kT * kTileK;
     for (int64_t p = 0; p < kT / 2; ++p) {  // key pair (jj % 32) / 2 + p of its half

@@ -29,6 +29,7 @@
 
 #include "amx_tiles.h"
 #include "quant_kernels.h"
+#include "transpose16.h"
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -63,7 +64,7 @@ bool has_amx_bf16() {
 namespace {
 
 using kvserve_amx::configure_tiles;
-using kvserve_amx::transpose16;
+using kvserve_simd::transpose16;
 
 constexpr int kT = 16;         // tile rows (and 32-bit columns)
 constexpr int kTileK = 32;     // bf16 values of k per tile row
@@ -92,7 +93,7 @@ KV_AMX inline void to_bf16_32(const float* src, uint16_t* dst) {
 // C tile (16 weight rows x 16 activation rows) -> out[(m0 + c) * N + n0 + r], c < mc, r < nc
 KV_AMX void store_tile(const float* ct, float* scratch, float* out, int64_t N, int64_t m0,
                        int64_t n0, int mc, int nc) {
-  transpose16(ct, scratch);  // scratch[c][r]
+  transpose16(ct, 16, scratch, 16);  // scratch[c][r]
   const __mmask16 mask = nc == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nc) - 1);
   for (int c = 0; c < mc; ++c)
     _mm512_mask_storeu_ps(out + (m0 + c) * N + n0, mask, _mm512_load_ps(scratch + 16 * c));

@@ -27,6 +27,7 @@
 
 #include "quant_kernels.h"
 #include "quant_panel.h"
+#include "transpose16.h"
 #include "vec_reduce.h"
 
 #if defined(__x86_64__)
@@ -158,50 +159,23 @@ constexpr GemmTileBf16 kGemmTiles[kMB + 1] = {nullptr,           gemm_tile_bf16<
                                               gemm_tile_bf16<4>, gemm_tile_bf16<5>,
                                               gemm_tile_bf16<6>};
 
-// In place: t[i] lane j -> t[j] lane i, a 16 x 16 transpose of 32-bit elements (32-bit and
-// 64-bit unpacks within 128-bit lanes, then two rounds of 128-bit lane shuffles).
-KV_BF16 inline void transpose16x16_epi32(__m512i t[16]) {
-  __m512i a[16];
-  for (int i = 0; i < 16; i += 2) {
-    a[i] = _mm512_unpacklo_epi32(t[i], t[i + 1]);
-    a[i + 1] = _mm512_unpackhi_epi32(t[i], t[i + 1]);
-  }
-  // t[4g + c], 128-bit lane q: rows 4g..4g+3 at column 4q + c
-  for (int g = 0; g < 16; g += 4) {
-    t[g] = _mm512_unpacklo_epi64(a[g], a[g + 2]);
-    t[g + 1] = _mm512_unpackhi_epi64(a[g], a[g + 2]);
-    t[g + 2] = _mm512_unpacklo_epi64(a[g + 1], a[g + 3]);
-    t[g + 3] = _mm512_unpackhi_epi64(a[g + 1], a[g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    a[c] = _mm512_shuffle_i32x4(t[c], t[c + 4], 0x88);  // lanes: columns c, c + 8
-    a[c + 4] = _mm512_shuffle_i32x4(t[c], t[c + 4], 0xdd);  // columns c + 4, c + 12
-    a[c + 8] = _mm512_shuffle_i32x4(t[c + 8], t[c + 12], 0x88);
-    a[c + 12] = _mm512_shuffle_i32x4(t[c + 8], t[c + 12], 0xdd);
-  }
-  for (int c = 0; c < 4; ++c) {
-    t[c] = _mm512_shuffle_i32x4(a[c], a[c + 8], 0x88);  // column c
-    t[c + 8] = _mm512_shuffle_i32x4(a[c], a[c + 8], 0xdd);  // column c + 8
-    t[c + 4] = _mm512_shuffle_i32x4(a[c + 4], a[c + 12], 0x88);  // column c + 4
-    t[c + 12] = _mm512_shuffle_i32x4(a[c + 4], a[c + 12], 0xdd);  // column c + 12
-  }
-}
-
 // 16 weight rows of kc float32 values (rows kc apart; rows nr16..15 taken as zero) -> their
-// 16 columns of the (kc / 2, 64, 2) panel at dst: each row's 32 values at a time rounded to
-// bfloat16 (nearest even, as the dot tiles round) make 16 k pairs, one 32-bit lane each, and a
-// transpose turns "row i, pairs 0..15" into "pair p, rows 0..15", the panel's layout.
+// 16 columns of the (kc / 2, 64, 2) panel at dst (64-byte aligned): each row's 32 values at a
+// time rounded to bfloat16 (nearest even, as the dot tiles round) make 16 k pairs, one 32-bit
+// word each, and a transpose turns "row i, pairs 0..15" into "pair p, rows 0..15", the
+// panel's layout (pair p of the chunk at dst + (k + 2p) * kPanel, kPanel words apart).
 KV_BF16 void build_panel_group(const float* src, int64_t kc, int nr16, uint16_t* dst) {
-  __m512i t[16];
+  alignas(64) uint16_t pairs[16 * 32];  // (16 rows, 16 pairs)
   for (int64_t k = 0; k < kc; k += 32) {
     for (int i = 0; i < 16; ++i) {
       const float* row = src + i * kc + k;
-      t[i] = i < nr16 ? reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 16),
-                                                                       _mm512_loadu_ps(row)))
-                      : _mm512_setzero_si512();
+      const __m512i v = i < nr16 ? reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
+                                       _mm512_loadu_ps(row + 16), _mm512_loadu_ps(row)))
+                                 : _mm512_setzero_si512();
+      _mm512_store_si512(pairs + 32 * i, v);
     }
-    transpose16x16_epi32(t);
-    for (int p = 0; p < 16; ++p) _mm512_store_si512(dst + (k + 2 * p) * kPanel, t[p]);
+    kvserve_simd::transpose16(reinterpret_cast<const float*>(pairs), 16,
+                              reinterpret_cast<float*>(dst + k * kPanel), kPanel);
   }
 }
 
@@ -338,6 +312,7 @@ at::Tensor dequantize_bf16_cpu(const at::Tensor& qweight, int64_t qtype, int64_t
 }
 
 bool cpu_has_avx512_bf16() { return has_avx512_bf16(); }
+int64_t bf16_gemm_min_rows() { return kGemmMinRowsBf16; }
 bool cpu_has_amx_bf16() { return has_amx_bf16(); }
 
 }  // namespace
@@ -351,6 +326,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("dequantize_bf16(Tensor qweight, int qtype, int out_features, int in_features) -> "
         "Tensor");
   m.def("cpu_has_avx512_bf16() -> bool", &kvserve_quant::cpu_has_avx512_bf16);
+  m.def("quant_bf16_gemm_min_rows() -> int", &kvserve_quant::bf16_gemm_min_rows);
   m.def("cpu_has_amx_bf16() -> bool", &kvserve_quant::cpu_has_amx_bf16);
 }
 
