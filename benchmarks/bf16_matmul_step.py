@@ -9,7 +9,7 @@ at each row count (a decode batch, a prefill chunk), three ways:
 
 The shapes are SmolLM2-135M's fused ones (q/k/v 960 x 576, o 576 x 576, gate/up 3072 x 576,
 down 576 x 1536) x 30 layers on distinct weights (~66 MB of Q4_1), so they stream from DRAM as
-in a real step. Best of --reps per row count and way; "x" = that way's time / the kernel's.
+in a real step. Best of --reps per row count and way, after a warm-up step; "x" = that way's time / the kernel's.
 
     python -m benchmarks.bf16_matmul_step [--rows 32,64,128,256,384,2048] [--threads 2]
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -29,20 +28,11 @@ from gguf import GGMLQuantizationType as QT
 
 from kvserve.kernels.build import build_kernels
 from kvserve.kernels.quant_ref import dequantize_ref, quantize
+from kvserve.models.quantized_linear import best_time
 
 FUSED = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out N, in K) per layer
 NUM_LAYERS = 30
 QUANT_TYPES = {"Q4_0": QT.Q4_0, "Q4_1": QT.Q4_1, "Q8_0": QT.Q8_0}  # gguf-py quantizes these
-
-
-def best_step(step, reps: int) -> float:
-    """Best of reps wall times of one step (every weight once)."""
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in rows:
         x = {k: torch.randn(m, k, generator=g).bfloat16() for k in (576, 1536)}
         secs = {
-            name: best_step(lambda f=f, x=x: [f(x, *w) for w in weights], args.reps)
+            name: best_time(lambda f=f, x=x: [f(x, *w) for w in weights], args.reps)
             for name, f in ways.items()
         }
         kern = secs["kernel"]
