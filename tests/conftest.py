@@ -11,7 +11,22 @@ test_kv_manager.py / test_kv_fork.py and the CLI runners of test_cli.py / test_c
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+
+# Each test run has its own KVSERVE_CACHE_DIR (C++ kernels, inductor's cache and the compiled
+# step's verdicts, row thresholds), set before kvserve reads it: no earlier run, other checkout
+# or killed process decides which path a test takes or makes it wait. The run builds the
+# kernels once (a minute or two on 2 cores). KVSERVE_TEST_CACHE_DIR names a directory to use
+# instead (kept), for a developer re-running tests who accepts that sharing.
+if os.environ.get("KVSERVE_TEST_CACHE_DIR"):
+    os.environ["KVSERVE_CACHE_DIR"] = os.environ["KVSERVE_TEST_CACHE_DIR"]
+else:
+    _RUN_CACHE_DIR = tempfile.mkdtemp(prefix="kvserve-test-cache-")
+    os.environ["KVSERVE_CACHE_DIR"] = _RUN_CACHE_DIR
+    atexit.register(shutil.rmtree, _RUN_CACHE_DIR, ignore_errors=True)
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any

@@ -10,7 +10,7 @@ import torch
 from conftest import make_hf_checkpoint, random_token_ids
 
 from kvserve import LLM, RequestOutput, SamplingParams  # as vLLM users import them
-from kvserve.engine.scheduler import SchedulerOutput
+from kvserve.engine.scheduler import SchedulerOutput, _StepBudget
 from kvserve.models.model_session import ModelSession
 from kvserve.reference.decoders import full_logits
 
@@ -86,7 +86,7 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(session: ModelSession) -
     req = engine.add_request(prompt, params())
     engine.step()  # positions 0..7: entries 1..8
     assert req.prompt_logprobs is not None and len(req.prompt_logprobs) == 9
-    engine.scheduler._preempt(req, SchedulerOutput())  # recomputed from position 0
+    engine.scheduler._preempt(req, SchedulerOutput(), _StepBudget(0))  # recomputed from 0
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():

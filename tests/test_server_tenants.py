@@ -11,7 +11,7 @@ import pytest
 from server_helpers import ServerProcess, cached_prefix_tokens, start_server
 
 from kvserve.config import CacheConfig
-from kvserve.server.tenants import parse_api_keys, salt_for, tenant_keys
+from kvserve.server.tenants import ApiKey, parse_api_keys, salt_for, tenant_keys
 
 SINGLE_KEY = "single-key"  # --api-key: the "default" tenant
 KEYS = {"alpha-1": "alpha", "alpha-2": "alpha", "beta-1": "beta"}
@@ -85,18 +85,24 @@ def test_unknown_key_is_refused(tenant_server: ServerProcess) -> None:
 
 def test_parse_api_keys() -> None:
     lines = ["# comment", "", "k1 alice", "  k2\tbob  "]
-    assert parse_api_keys(lines) == {"k1": "alice", "k2": "bob"}
+    assert parse_api_keys(lines) == (ApiKey("k1", "alice", False), ApiKey("k2", "bob", False))
+    assert parse_api_keys(["k1 a admin"]) == (ApiKey("k1", "a", True),)
     with pytest.raises(ValueError, match="line 2: expected 'KEY TENANT'"):
         parse_api_keys(["k1 a", "k2"])
-    with pytest.raises(ValueError, match="line 2: expected 'KEY TENANT'.*3 field"):
+    with pytest.raises(ValueError, match="line 2: the third field.*'admin', got 'c'"):
         parse_api_keys(["k1 a", "k2 b c"])
+    with pytest.raises(ValueError, match="line 2: expected 'KEY TENANT'.*4 field"):
+        parse_api_keys(["k1 a", "k2 b admin d"])
     with pytest.raises(ValueError, match="line 2: this key is already listed"):
         parse_api_keys(["k1 a", "k1 b"])
     with pytest.raises(ValueError, match="lists no key"):
         parse_api_keys(["# nothing"])
-    assert tenant_keys("solo", {"k1": "a"}) == {"k1": "a", "solo": "default"}
+    assert tenant_keys("solo", [ApiKey("k1", "a")]) == {
+        "k1": ApiKey("k1", "a", False),
+        "solo": ApiKey("solo", "default", True),  # the operator's key is an admin's
+    }
     with pytest.raises(ValueError, match="also listed"):
-        tenant_keys("k1", {"k1": "a"})
+        tenant_keys("k1", [ApiKey("k1", "a")])
 
 
 def test_salts_are_distinct_per_tenant() -> None:

@@ -176,7 +176,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         out: RequestOutput | None = None
         _refuse_early(args, session, prompt_ids, params)
-        llm = make_llm(args, session)
+        llm = make_llm(args, session, "off")
         for out in llm.stream(prompt_ids, params, explain_cache=args.explain_cache):
             if on_text is not None and out.new_text:
                 on_text(out.new_text)
@@ -236,39 +236,42 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     session = open_session(args, show_progress=True)
     tokenizer = session.require_tokenizer()
-    llm = make_llm(args, session)
+    llm = make_llm(args, session, "background")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat -- empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            line = input("> ")
-        except EOFError:
-            break
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line})
-        prompt = tokenizer.apply_chat_template(messages)
-        out: RequestOutput | None = None
-        try:
-            for out in llm.stream(prompt, params, explain_cache=args.verbose):
-                _write(out.new_text)
-        except ValueError as e:  # e.g. the conversation outgrew max_model_len
-            messages.pop()
-            print(f"error: {e}", file=sys.stderr)
-            continue
-        _write("\n")
-        assert out is not None
-        messages.append({"role": "assistant", "content": out.text})
-        if args.verbose:
-            # the prefix cache works in whole blocks: reuse is the conversation so far, rounded
-            # down to a block boundary
-            print(
-                f"[prompt {len(prompt)} tokens: {out.num_cached_tokens} reused from the cache, "
-                f"{len(prompt) - out.num_cached_tokens} computed; {len(out.token_ids)} generated]",
-                file=sys.stderr,
-            )
-            if out.kv_cache is not None:
-                print(cache_explain.describe(out.kv_cache, tokenizer.decode), file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line})
+            prompt = tokenizer.apply_chat_template(messages)
+            out: RequestOutput | None = None
+            try:
+                for out in llm.stream(prompt, params, explain_cache=args.verbose):
+                    _write(out.new_text)
+            except ValueError as e:  # e.g. the conversation outgrew max_model_len
+                messages.pop()
+                print(f"error: {e}", file=sys.stderr)
+                continue
+            _write("\n")
+            assert out is not None
+            messages.append({"role": "assistant", "content": out.text})
+            if args.verbose:
+                # the prefix cache works in whole blocks: reuse is the conversation so far, rounded
+                # down to a block boundary
+                print(
+                    f"[prompt {len(prompt)} tokens: {out.num_cached_tokens} reused from the cache, "
+                    f"{len(prompt) - out.num_cached_tokens} computed; {len(out.token_ids)} generated]",
+                    file=sys.stderr,
+                )
+                if out.kv_cache is not None:
+                    print(cache_explain.describe(out.kv_cache, tokenizer.decode), file=sys.stderr)
+    finally:
+        llm.engine.close()  # a background compile must not outlive the process
     return 0
 
 
@@ -281,6 +284,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
+        compile_mode=args.compile_mode or EngineConfig().compile_mode,
         cache=cache_config(args),
         scheduler=scheduler_config(args),
     )

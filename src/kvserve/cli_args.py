@@ -13,6 +13,7 @@ from kvserve.config import (
     SchedulerConfig,
     parse_memory,
 )
+from kvserve.engine.compiled_steps import COMPILE_MODES
 from kvserve.engine.llm import LLM
 from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES
 from kvserve.models.loader import DTYPE_CHOICES
@@ -63,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument(
         "--kv-cache-memory",
         default=None,
-        help="KV cache budget: bytes, GiB, or e.g. 2GiB / 512MiB (default 1GiB)",
+        help="KV cache budget: 2GiB, 512MiB, 8GB, or bytes without a unit (default 1GiB)",
     )
     p.add_argument(
         "--num-kv-blocks",
@@ -105,7 +106,16 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run the model step eagerly (no torch.compile; starts faster, steps slower)",
+        help="run the model step eagerly (no torch.compile; same as --compile-mode off)",
+    )
+    p.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        default=None,
+        help="torch.compile of the model step (prefill ~5-10%% faster; decode runs the fused "
+        "kernel either way): sync (before the first step), background (eager until compiled; "
+        "the default of chat and serve) or off (the default of generate, where one prompt "
+        "never repays the compile)",
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--max-num-seqs", type=int, default=_SCHED.max_num_seqs)
@@ -183,7 +193,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
     memory = args.kv_cache_memory
     return CacheConfig(
         block_size=args.block_size,
-        kv_cache_memory=None if memory is None else parse_memory(memory),
+        kv_cache_memory=None if memory is None else parse_memory(memory, "--kv-cache-memory"),
         num_blocks=args.num_kv_blocks,
         enable_prefix_caching=not args.no_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -210,7 +220,10 @@ def open_session(args: argparse.Namespace, show_progress: bool) -> ModelSession:
     )
 
 
-def make_llm(args: argparse.Namespace, session: ModelSession) -> LLM:
+def make_llm(
+    args: argparse.Namespace, session: ModelSession, default_compile_mode: str = "sync"
+) -> LLM:
+    """The engine of ``generate``/``chat``; ``default_compile_mode`` unless --compile-mode."""
     return LLM(
         session=session,
         kv_cache_memory=args.kv_cache_memory,
@@ -228,4 +241,5 @@ def make_llm(args: argparse.Namespace, session: ModelSession) -> LLM:
         scheduling_policy=args.scheduling_policy,
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         enforce_eager=args.enforce_eager,
+        compile_mode=args.compile_mode or default_compile_mode,
     )

@@ -7,6 +7,7 @@ Names follow vLLM (``block_size``, ``max_num_seqs``, ``max_num_batched_tokens``,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES
@@ -123,41 +124,72 @@ class EngineConfig:
     device: str | None = None  # None: cuda if available, else cpu
     quantization: str | None = None  # "q8_0" | "q4_0": quantize float weights at load
     enforce_eager: bool = False  # True: no torch.compile of the model step
+    # "sync" | "background" | "off" (engine/compiled_steps.py); the server compiles in the
+    # background so that /health and the first reply do not wait for it
+    compile_mode: str = "background"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False  # progress bar while loading weights
 
 
-def parse_memory(value: int | float | str) -> int:
-    """Bytes from an int (bytes), a float (GiB) or a string: "2GiB", "512MiB", "1.5", "1e9"."""
-    if isinstance(value, bool):
-        raise TypeError(f"kv_cache_memory must be bytes or GiB, got {value!r}")
-    if isinstance(value, int):
-        result = value
-    elif isinstance(value, float):
-        result = int(value * GIB)
-    elif isinstance(value, str):
-        text = value.strip().lower()
-        units = {"gib": GIB, "gb": 10**9, "mib": 1 << 20, "mb": 10**6, "kib": 1 << 10, "b": 1}
-        for unit, scale in units.items():
-            if text.endswith(unit):
-                try:
-                    return _positive(int(float(text[: -len(unit)]) * scale), value)
-                except ValueError as e:
-                    raise ValueError(f"cannot read kv_cache_memory {value!r}") from e
+# units, longest suffix first; decimal (GB) and binary (GiB) as written
+_MEMORY_UNITS = {
+    "tib": 1 << 40,
+    "gib": GIB,
+    "mib": 1 << 20,
+    "kib": 1 << 10,
+    "tb": 10**12,
+    "gb": 10**9,
+    "mb": 10**6,
+    "kb": 10**3,
+    "b": 1,
+}
+MIN_UNITLESS_BYTES = 1024  # a smaller number without a unit is taken for a forgotten unit
+
+
+def parse_memory(value: int | float | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from a number or a string with a unit: 2GiB, 512MiB, 80GB, 1.5GiB, 4096B.
+
+    One rule for every spelling: a number without a unit is bytes (an int, a whole float
+    such as 1e9, or a string such as "2000000"), as vLLM's ``kv_cache_memory_bytes`` and
+    ``CacheConfig.kv_cache_memory``; below ``MIN_UNITLESS_BYTES`` it is refused as a
+    forgotten unit ("2" is not 2 GiB: write 2GiB). Units are case-insensitive: KB/MB/GB/TB
+    are powers of 1000, KiB/MiB/GiB/TiB of 1024. ``name`` names the setting in errors.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise TypeError(f"{name} must be bytes or a string such as 2GiB, got {value!r}")
+    amount: int | float = value if isinstance(value, int) else 0
+    if not isinstance(value, int):
+        text = str(value).strip().lower().replace(" ", "")
+        number, unit = text, ""
+        for suffix in _MEMORY_UNITS:
+            if text.endswith(suffix):
+                number, unit = text[: -len(suffix)], suffix
+                break
         try:
-            number = float(text)
+            amount = float(number)
         except ValueError as e:
             raise ValueError(
-                f"cannot read kv_cache_memory {value!r}; use e.g. 2GiB or 512MiB"
+                f"cannot read {name} {value!r}; use bytes or a number with a unit: "
+                "2GiB, 512MiB, 80GB, 4096B"
             ) from e
-        result = int(number) if number >= 1 << 20 else int(number * GIB)  # small numbers mean GiB
-    else:
-        raise TypeError(f"kv_cache_memory must be bytes or GiB, got {value!r}")
-    return _positive(result, value)
+        if not math.isfinite(amount):
+            raise ValueError(f"{name} must be a finite size, got {value!r}")
+        if unit:
+            return _positive(int(amount * _MEMORY_UNITS[unit]), value, name)
+        if amount != int(amount):
+            raise ValueError(
+                f"{name} {value!r} is not a whole number of bytes; add a unit: {value}GiB"
+            )
+    if 0 < amount < MIN_UNITLESS_BYTES:
+        raise ValueError(
+            f"{name} {value!r} has no unit, so it means {int(amount)} bytes; "
+            f"write {value}GiB or {value}MiB (or {value}B for bytes)"
+        )
+    return _positive(int(amount), value, name)
 
 
-def _positive(result: int, value: object) -> int:
+def _positive(result: int, value: object, name: str) -> int:
     if result <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+        raise ValueError(f"{name} must be > 0, got {value!r}")
     return result

@@ -185,9 +185,9 @@ def _mla_dims_input(args: argparse.Namespace) -> tuple[str, PlanInput]:
 
 def _weights_and_memory(args: argparse.Namespace, weights: int) -> tuple[int, int]:
     if args.weights_bytes is not None:
-        weights = parse_memory(args.weights_bytes)
+        weights = parse_memory(args.weights_bytes, "--weights-bytes")
     if args.device_memory is not None:
-        return weights, parse_memory(args.device_memory)
+        return weights, parse_memory(args.device_memory, "--device-memory")
     if args.device == THIS_MACHINE:
         return weights, _machine_memory()
     return weights, DEVICE_PRESETS[args.device]

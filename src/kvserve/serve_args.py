@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvserve.cli_args import add_engine_args, add_model_args
 from kvserve.server.config import KVEventsConfig, ServerConfig
-from kvserve.server.tenants import parse_api_keys
+from kvserve.server.tenants import ApiKey, parse_api_keys
 
 _SERVER = ServerConfig()
 
@@ -19,13 +19,17 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default=_SERVER.host)
     s.add_argument("--port", type=int, default=_SERVER.port)
     s.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint; this key is the operator's "
+        "(tenant 'default', admin: /flush_cache, /save_cache, every tenant in /v1/kv_state)",
     )
     s.add_argument(
         "--api-keys",
         default=None,
         metavar="FILE",
-        help="one 'KEY TENANT' per line: each key's tenant gets a prefix cache of its own",
+        help="one 'KEY TENANT' or 'KEY TENANT admin' per line: each key's tenant gets a prefix "
+        "cache of its own; an admin key may also flush and save every tenant's cache",
     )
     s.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: file name)"
@@ -60,16 +64,56 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
         ("--max-stop-strings", int, "max_stop_strings", "stop strings in one request"),
         ("--max-stop-chars", int, "max_stop_chars", "total length of one request's stop strings"),
         (
+            "--default-chat-max-tokens",
+            int,
+            "default_chat_max_tokens",
+            "max_tokens of a chat completion that sends neither max_tokens nor "
+            "max_completion_tokens (capped to the context left; /v1/completions' default is 16)",
+        ),
+        (
             "--max-stream-buffer-events",
             int,
             "max_stream_buffer_events",
             "unread events per sequence after which a stalled stream is aborted",
         ),
         (
+            "--stream-stall-timeout-s",
+            float,
+            "stream_stall_timeout_s",
+            "a stream whose client takes no bytes is paused, and aborted (its KV blocks freed) "
+            "once paused this long",
+        ),
+        (
+            "--max-json-depth",
+            int,
+            "max_json_depth",
+            "request bodies nested deeper ([ and { levels) get 400 before they are parsed",
+        ),
+        (
+            "--header-timeout-s",
+            float,
+            "header_timeout_s",
+            "connections that send no complete request head within this long are closed",
+        ),
+        (
+            "--max-connections",
+            int,
+            "max_connections",
+            "open connections; beyond it a new one gets 503 (lowered to fit the file "
+            "descriptor limit)",
+        ),
+        (
             "--health-stall-timeout-s",
             float,
             "health_stall_timeout_s",
             "/health answers 503 when no engine step finished for this long while work waits",
+        ),
+        (
+            "--shutdown-timeout",
+            float,
+            "shutdown_timeout_s",
+            "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are "
+            "aborted (then the prefix cache is saved and the server exits 0)",
         ),
         ("--preprocess-threads", int, "preprocess_threads", "threads tokenizing requests"),
         (
@@ -141,8 +185,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_prompt_tokens_per_request=args.max_prompt_tokens_per_request,
         max_stop_strings=args.max_stop_strings,
         max_stop_chars=args.max_stop_chars,
+        default_chat_max_tokens=args.default_chat_max_tokens,
         max_stream_buffer_events=args.max_stream_buffer_events,
+        stream_stall_timeout_s=args.stream_stall_timeout_s,
+        max_json_depth=args.max_json_depth,
+        header_timeout_s=args.header_timeout_s,
+        max_connections=args.max_connections,
         health_stall_timeout_s=args.health_stall_timeout_s,
+        shutdown_timeout_s=args.shutdown_timeout,
         preprocess_threads=args.preprocess_threads,
         max_consecutive_step_failures=args.max_consecutive_step_failures,
         max_restarts=args.max_restarts,
@@ -152,12 +202,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def read_api_keys(path: str | None) -> tuple[tuple[str, str], ...]:
-    """--api-keys FILE as (key, tenant) pairs; () when not given."""
+def read_api_keys(path: str | None) -> tuple[ApiKey, ...]:
+    """--api-keys FILE's keys; () when not given."""
     if path is None:
         return ()
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"--api-keys: cannot read {path}: {e.strerror}") from e
-    return tuple(parse_api_keys(text.splitlines(), f"--api-keys {path}").items())
+    return parse_api_keys(text.splitlines(), f"--api-keys {path}")

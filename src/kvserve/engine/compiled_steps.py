@@ -15,16 +15,27 @@ threshold splits the range), and are all compiled at start-up by a warm-up.
 
 Compiled code is cached on disk (inductor's FX graph cache in ``cache_dir``), so a second
 start with the same model shapes skips the C++ compilation. If compiling fails, or the
-compiled warm-up differs from eager, the model runs eager and one warning says why.
+compiled warm-up differs from eager, the model runs eager and one warning says why. A warm-up
+that passed leaves a verdict file keyed by everything the compiled graphs depend on (model
+config, dtype, token counts, torch, kvserve's kernels, the CPU's features): a later start with
+the same key only compiles, without running eager beside it again.
+
+Three modes (``COMPILE_MODES``): "sync" compiles before the first step (offline jobs,
+benchmarks), "background" runs eager at once and hands the compiled step over when it is ready
+(``BackgroundCompile``; the server and chat, whose first reply should not wait), "off" never
+compiles (one-shot ``generate``, where compiling costs more than it saves).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +50,8 @@ logger = logging.getLogger(__name__)
 # and the splits the quantized layers' row thresholds add; the default of 8 would silently
 # fall back to eager after the eighth
 RECOMPILE_LIMIT = 64
+COMPILE_MODES = ("sync", "background", "off")
+VERDICTS = "verdicts"  # under the inductor cache dir: one file per accepted key
 
 
 def default_cache_dir() -> Path:
@@ -76,12 +89,15 @@ class WarmupCheck:
 
 
 @torch.inference_mode()
-def _warmup(model: LlamaForCausalLM, steps: LayerSteps, counts: list[int]) -> WarmupCheck:
+def _warmup(
+    model: LlamaForCausalLM, steps: LayerSteps, counts: list[int], stop: threading.Event
+) -> WarmupCheck:
     """Runs steps at each token count (compiling each variant) against eager."""
     worst, agree, total = 0.0, 0, 0
     g = torch.Generator().manual_seed(0)
     attn = NoCacheAttention(model.config.attention_scale)
     for t in counts:
+        _check_stop(stop)
         ids = torch.randint(0, model.config.vocab_size, (t,), generator=g).to(model.device)
         pos = torch.arange(t, device=model.device)
         want = model.compute_logits(model(ids, pos, attn, EAGER_STEPS))
@@ -90,6 +106,46 @@ def _warmup(model: LlamaForCausalLM, steps: LayerSteps, counts: list[int]) -> Wa
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         total += t
     return WarmupCheck(worst, agree / total)
+
+
+class CompileCancelled(Exception):
+    """The process is closing the engine while its background compile runs."""
+
+
+def _check_stop(stop: threading.Event) -> None:
+    if stop.is_set():
+        raise CompileCancelled("the engine closed while compiling")
+
+
+@torch.inference_mode()
+def _compile_only(
+    model: LlamaForCausalLM, steps: LayerSteps, counts: list[int], stop: threading.Event
+) -> None:
+    """Runs the compiled steps at each token count: compiles (or loads) every variant."""
+    attn = NoCacheAttention(model.config.attention_scale)
+    for t in counts:
+        _check_stop(stop)
+        ids = torch.zeros(t, dtype=torch.long, device=model.device)
+        model(ids, torch.arange(t, device=model.device), attn, steps)
+
+
+def verdict_key(model: LlamaForCausalLM, counts: list[int]) -> str:
+    """What the compiled graphs and their check depend on (weights are graph inputs, so their
+    values are not part of it)."""
+    from kvserve.kernels.build import build_key
+    from kvserve.platform import detect_cpu_features
+
+    parts = {
+        "config": repr(model.config),
+        "dtype": str(model.dtype),
+        "device": str(model.device),
+        "counts": counts,
+        "torch": torch.__version__,
+        "kernels": build_key(),
+        "cpu": asdict(detect_cpu_features(os.environ.get("KVSERVE_CPU_FEATURES"))),
+        "formats": sorted({type(m).__name__ for m in model.modules()}),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
 def _check_ok(check: WarmupCheck, dtype: torch.dtype) -> bool:
@@ -106,9 +162,14 @@ def _check_ok(check: WarmupCheck, dtype: torch.dtype) -> bool:
 
 
 def compile_model(
-    model: LlamaForCausalLM, enforce_eager: bool = False, cache_dir: Path | None = None
+    model: LlamaForCausalLM,
+    enforce_eager: bool = False,
+    cache_dir: Path | None = None,
+    stop: threading.Event | None = None,
 ) -> CompileResult:
-    """The layer steps for ``model``: compiled and checked against eager, or eager."""
+    """The layer steps for ``model``: compiled and checked against eager, or eager. ``stop``
+    (a background compile's) ends it between token counts with eager steps."""
+    stop = stop or threading.Event()
     if enforce_eager:
         return CompileResult(EAGER_STEPS, False, 0.0, "enforce_eager")
     if not isinstance(model, LlamaForCausalLM):
@@ -145,8 +206,18 @@ def compile_model(
         torch.compile(LlamaDecoderLayer.before_attention, dynamic=True),
         torch.compile(LlamaDecoderLayer.after_attention, dynamic=True),
     )
+    verdict = cache_dir / VERDICTS / f"{verdict_key(model, counts)}.json"
     try:
-        check = _warmup(model, steps, counts)
+        if verdict.is_file():
+            # the same graphs passed the check against eager before: compile, don't re-check
+            _compile_only(model, steps, counts, stop)
+            seconds = time.perf_counter() - start
+            logger.info("compiled the model step in %.1f s (checked before: %s)", seconds, verdict)
+            model.compiled_steps = CompileResult(steps, True, seconds, "")
+            return model.compiled_steps
+        check = _warmup(model, steps, counts, stop)
+    except CompileCancelled as e:
+        return CompileResult(EAGER_STEPS, False, time.perf_counter() - start, str(e))
     except Exception as e:  # noqa: BLE001 - any compiler failure means "run eager"
         reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         logger.warning("torch.compile failed (%s); running eager", reason)
@@ -165,5 +236,51 @@ def compile_model(
         check.max_diff,
         check.top1_agreement,
     )
+    _write_verdict(verdict, check)
     model.compiled_steps = CompileResult(steps, True, seconds, "")
     return model.compiled_steps
+
+
+def _write_verdict(path: Path, check: WarmupCheck) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(check)))
+    os.replace(tmp, path)  # a reader sees no verdict or a whole one
+
+
+class BackgroundCompile:
+    """``compile_model`` in a daemon thread; the caller polls ``result()`` between steps and
+    swaps the steps in when no request is running (eager and compiled round differently in
+    bfloat16, so a request never sees both)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self._result: CompileResult | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(model,), name="kvserve-compile", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, model: LlamaForCausalLM) -> None:
+        try:
+            result = compile_model(model, stop=self._stop)
+        except Exception as e:  # noqa: BLE001 - the engine runs on eager, as it already does
+            reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            logger.warning("compiling the model step failed (%s); running eager", reason)
+            result = CompileResult(EAGER_STEPS, False, 0.0, reason)
+        self._result = result  # one reference assignment: atomic for the polling thread
+
+    def result(self) -> CompileResult | None:
+        """The finished compile (compiled or the eager fallback with its reason), or None."""
+        return self._result
+
+    def wait(self, timeout_s: float | None = None) -> CompileResult | None:
+        self._thread.join(timeout_s)
+        return self._result
+
+    def cancel(self, timeout_s: float = 60.0) -> None:
+        """Stop at the next token count and wait for the thread: a process must not exit
+        while the compiler runs in another thread (C++ aborts: "terminate called without an
+        active exception")."""
+        self._stop.set()
+        self._thread.join(timeout_s)

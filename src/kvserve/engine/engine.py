@@ -8,6 +8,7 @@ process may hold several.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -21,14 +22,19 @@ from kvserve.config import (
     CacheConfig,
     SchedulerConfig,
 )
-from kvserve.engine.compiled_steps import compile_model
+from kvserve.engine.compiled_steps import (
+    COMPILE_MODES,
+    BackgroundCompile,
+    CompileResult,
+    compile_model,
+)
 from kvserve.engine.faults import FaultInjector, StepRecord, contain_step_failure, fail_all
 from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.limits import RequestLimits
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.output import append_token, make_output
 from kvserve.engine.prompt_logprobs import add_prompt_logprobs
-from kvserve.engine.request import Request, RequestOutput, RequestStatus
+from kvserve.engine.request import Request, RequestClass, RequestOutput, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.kv import persist
 from kvserve.kv.cache_dtype import CacheDtype
@@ -72,7 +78,10 @@ class LLMEngine:
         eos_token_ids: Sequence[int] = (),
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
+        compile_mode: str = "sync",
     ) -> None:
+        if compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
         self.model_config = model_config
@@ -115,7 +124,14 @@ class LLMEngine:
             has_tokenizer=tokenizer is not None,
             pool_tokens=self._pool_tokens(num_blocks),
         )
-        self.compile_result = compile_model(model, enforce_eager)
+        # "background": eager now, the compiled step between requests once it is ready
+        self._background: BackgroundCompile | None = None
+        if compile_mode == "background" and not enforce_eager:
+            eager = compile_model(model, enforce_eager=True)
+            self.compile_result = dataclasses.replace(eager, reason="compiling in the background")
+            self._background = BackgroundCompile(model)
+        else:
+            self.compile_result = compile_model(model, enforce_eager or compile_mode == "off")
         self.fused_decode = FusedDecode.build(model, self.storage)
         self.runner = ModelRunner(
             model, self.storage, self.compile_result.steps, self.fused_decode, faults
@@ -155,6 +171,7 @@ class LLMEngine:
         scheduler: SchedulerConfig | None = None,
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
+        compile_mode: str = "sync",
     ) -> LLMEngine:
         return cls(
             session.model,
@@ -165,6 +182,7 @@ class LLMEngine:
             session.eos_token_ids,
             enforce_eager,
             faults,
+            compile_mode,
         )
 
     # -- requests ---------------------------------------------------------------------------
@@ -185,10 +203,15 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         explain_cache: bool = False,
+        request_class: RequestClass = RequestClass.INTERACTIVE,
+        tenant: str | None = None,
     ) -> Request:
         """Queue a request; raises ValueError (``RequestRejected``, naming the field) if it can
         never run (nothing is queued then). ``priority`` orders admission under the
-        "priority" scheduling policy (lower first) and is ignored by the others.
+        "priority" scheduling policy (lower first) and is ignored by the others, as are
+        ``request_class`` and ``tenant``, that policy's fairness (engine/fairness.py): an
+        interactive request preempts batch members for a seat, and a tenant running fewer
+        sequences is admitted first (preempting a tenant that runs at least two more).
         ``explain_cache``: the outputs carry ``kv_cache``, how much of the prompt the prefix
         cache served and why not more (kv/cache_explain.py)."""
         params = params or SamplingParams()
@@ -201,6 +224,8 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
             priority=priority,
+            request_class=request_class,
+            tenant=tenant,
             explain_cache=explain_cache,
             streaming_keep=self.streaming_keep,
             generator=make_generator(params.seed, self.runner.device),
@@ -222,6 +247,8 @@ class LLMEngine:
                 cache_salt=parent.cache_salt,
                 arrival_time=parent.arrival_time,
                 priority=parent.priority,
+                request_class=parent.request_class,
+                tenant=parent.tenant,
                 streaming_keep=parent.streaming_keep,
                 all_token_ids=list(parent.all_token_ids),
                 # sample i draws from seed + i: reproducible, and the same as a lone request
@@ -268,6 +295,8 @@ class LLMEngine:
         """One step; its outputs. An exception inside it (not KeyboardInterrupt / SystemExit)
         fails only the requests that were in it (finish_reason "error", ``error`` set), after
         which the KV state is repaired and checked (engine/faults.py); the rest go on."""
+        if self._background is not None:
+            self._adopt_compiled()
         record = StepRecord()
         try:
             outputs = self._step(record)
@@ -277,6 +306,32 @@ class LLMEngine:
             return contain_step_failure(self, record, e)
         self.consecutive_step_failures = 0
         return outputs
+
+    def _adopt_compiled(self) -> None:
+        """Swap in the background compile's steps once ready, between requests only: eager
+        and compiled steps round differently in bfloat16, and no request should see both."""
+        assert self._background is not None
+        result = self._background.result()
+        if result is None or self.scheduler.running:
+            return
+        self._background = None
+        self.compile_result = result
+        self.runner.steps = result.steps
+
+    def close(self) -> None:
+        """Stop a background compile (waits for its current token count). Call before the
+        process exits; the engine still steps afterwards, on the steps it has."""
+        if self._background is not None:
+            self._background.cancel()
+            self._background = None
+
+    def wait_compiled(self, timeout_s: float | None = None) -> CompileResult:
+        """Block until a background compile is done and in use (benchmarks); returns it."""
+        if self._background is not None:
+            self._background.wait(timeout_s)
+            if not self.scheduler.running:
+                self._adopt_compiled()
+        return self.compile_result
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """Fail every request (finish_reason "error") and rebuild the KV bookkeeping and the

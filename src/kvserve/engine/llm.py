@@ -20,8 +20,8 @@ _CACHE, _SCHED = CacheConfig(), SchedulerConfig()  # immutable: the defaults' si
 class LLM:
     """Load a model once, then generate for many prompts with continuous batching.
 
-    ``kv_cache_memory``: bytes (int), GiB (float) or a string such as "2GiB"; ``num_kv_blocks``
-    sets the block count directly instead. ``kv_cache_dtype`` (and ``k_cache_dtype`` /
+    ``kv_cache_memory``: bytes, or a string with a unit such as "2GiB" (``parse_memory``);
+    ``num_kv_blocks`` sets the block count directly instead. ``kv_cache_dtype`` (and ``k_cache_dtype`` /
     ``v_cache_dtype`` for one side): "auto" keeps the exact cache; "int8", "int4", "int4_sym",
     "fp8_e4m3" hold more tokens in the same memory at a measured loss (``kvserve eval-cache``).
     """
@@ -49,6 +49,7 @@ class LLM:
         session: ModelSession | None = None,
         show_progress: bool = False,
         enforce_eager: bool = False,
+        compile_mode: str = "sync",
     ) -> None:
         self.session = session or ModelSession.open(
             model, dtype, device, show_progress, quantization
@@ -71,7 +72,9 @@ class LLM:
             scheduling_policy,
             max_prefill_tokens_with_decodes,
         )
-        self.engine = LLMEngine.from_session(self.session, cache, sched, enforce_eager)
+        self.engine = LLMEngine.from_session(
+            self.session, cache, sched, enforce_eager, compile_mode=compile_mode
+        )
 
     def generate(
         self,

@@ -33,6 +33,16 @@ class RequestStatus(enum.Enum):
         )
 
 
+class RequestClass(enum.IntEnum):
+    """What kind of work a request is, for the "priority" policy's fairness
+    (engine/fairness.py); lower runs first. The server marks a request group of one prompt
+    with n = 1 (a chat turn) interactive, every prompt of a multi-prompt completion and every
+    n > 1 request batch; the engine's own default is interactive."""
+
+    INTERACTIVE = 0  # waits for a seat at most a step: batch members are preempted for it
+    BATCH = 1  # yields its seats (and KV) to interactive requests, and to tenants below share
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """Mutable state of one request. ``all_token_ids`` = prompt + output; the first
@@ -45,6 +55,10 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # the "priority" policy: lower runs first, ties by arrival (vLLM)
+    # the "priority" policy's fairness (engine/fairness.py): interactive before batch, and
+    # among tenants (API keys; None: no tenants) the one running fewer sequences first
+    request_class: RequestClass = RequestClass.INTERACTIVE
+    tenant: str | None = None
     explain_cache: bool = False  # say at admission why the prefix cache served what it did
     cache_explanation: CacheExplanation | None = None  # set at first admission, if asked
     all_token_ids: list[int] = field(default_factory=list)

@@ -9,9 +9,15 @@ prefills (chunked) and waiting requests from their prefix-cache hit: under "fcfs
 running prefills continue before anything is admitted; under "priority" the two compete by
 (priority, arrival), so a high-priority arrival is admitted before a low-priority prefill
 continues. When the pool is out of blocks for a running request, the newest running request
-is preempted: its blocks are freed and it goes back to the front of the waiting queue, to be
-recomputed later (usually through its own prefix-cache hit). A step that preempted admits no
-new request.
+(under "priority": the worst-ranked, batch members first) is preempted: its blocks are freed
+and it goes back to the front of the waiting queue, to be recomputed later (usually through
+its own prefix-cache hit). A step that preempted for a running request admits no new request.
+
+Under "priority" the scheduler is also fair (engine/fairness.py): the waiting queue puts
+interactive requests before batch members and tenants round-robin, and a waiting request with
+no seat or no KV preempts a running one it outranks (an interactive one a batch member; one
+of a tenant running two or more sequences fewer, a request of that tenant), so a batch that
+fills every seat holds a chat out for one step at most.
 
 The scheduler knows requests and block ids, never tensors: ``SchedulerOutput`` is plain data
 for the model runner.
@@ -24,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
+from kvserve.engine import fairness
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 
@@ -59,11 +66,10 @@ class SchedulerOutput:
 class _StepBudget:
     budget: int  # tokens this step may still schedule
     new_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens this step
-
-
-def _rank(req: Request) -> tuple[int, float]:
-    """The "priority" policy's order: lower priority value first (vLLM), then arrival."""
-    return (req.priority, req.arrival_time)
+    loads: fairness.TenantLoads = field(default_factory=dict)  # sequences running per tenant
+    # preempted this step to seat a waiting request that outranks them ("priority"); they
+    # rejoin the queue at the end of the step, behind those preempted for a running request
+    bumped: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -151,7 +157,8 @@ class Scheduler:
         step = _StepBudget(self.config.max_num_batched_tokens)
         by_priority = self.config.scheduling_policy == "priority"
         if by_priority:  # before any preemption: this step's preempted stay first in line
-            self.waiting = deque(sorted(self.waiting, key=_rank))
+            step.loads = fairness.tenant_loads(self.running)
+            self.waiting = deque(fairness.order_fairly(self.waiting, step.loads))
         # decodes first (Sarathi-Serve): a prefill chunk admitted earlier must not take the
         # step's budget from requests that need only their next token
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -168,7 +175,7 @@ class Scheduler:
             step.budget = min(step.budget, cap)
 
         if by_priority:
-            partial.sort(key=_rank)
+            partial.sort(key=fairness.rank)
         elif self.config.scheduling_policy == "lpm" and self.kv.enable_prefix_caching:
             self._order_longest_prefix_first()
         pending = self._pending_prefix_hashes()
@@ -183,21 +190,30 @@ class Scheduler:
             head = partial[i] if i < len(partial) else None
             admitting = (
                 admitting
-                and not out.preempted  # a step that preempted admits no new request
+                # a step that preempted for a running request admits no new request
+                and len(out.preempted) == len(step.bumped)
                 and bool(self.waiting)
-                and len(self.running) < self.config.max_num_seqs
+                # priority: a full house may still seat a request that outranks a member
+                and (by_priority or len(self.running) < self.config.max_num_seqs)
             )
             # fcfs / lpm: running prefills continue before anything is admitted; priority:
             # a waiting request that outranks the next running prefill goes first
             if admitting and (
-                head is None or (by_priority and _rank(self.waiting[0]) < _rank(head))
+                head is None
+                or (by_priority and fairness.rank(self.waiting[0]) < fairness.rank(head))
             ):
-                admitting = self._admit(self.waiting.popleft(), step, pending, deferred, now)
+                req = self.waiting.popleft()
+                admitting = self._admit(req, step, pending, deferred, now, out, by_priority)
             elif head is not None:
                 self._schedule_running(head, step, out)
                 i += 1
             else:
                 break
+        # the bumped (all preempted before any preemption for a running request: none is
+        # admitted after one) behind those, most recent first, as _preempt would have put them
+        grown = len(out.preempted) - len(step.bumped)
+        for req in step.bumped:
+            self.waiting.insert(grown, req)
         # deferred admissions back near the front, in order, but behind this step's preempted
         # requests (_preempt put them first in the queue, and nothing is admitted after a
         # preemption): those were running and go back first (found by hypothesis: a deferral
@@ -225,10 +241,11 @@ class Scheduler:
         n = min(req.num_tokens - req.num_computed_tokens, step.budget)
         if n <= 0:
             return
+        by_priority = self.config.scheduling_policy == "priority"
         while not self._try_allocate(req, n, out):
-            victim = self.running[-1]
-            self._preempt(victim, out)
-            step.budget += step.new_tokens.pop(victim.request_id, 0)
+            victim = fairness.victim(self.running, step.loads) if by_priority else None
+            victim = victim or self.running[-1]
+            self._preempt(victim, out, step)
             if victim is req:
                 return
         step.new_tokens[req.request_id] = n
@@ -241,21 +258,31 @@ class Scheduler:
         pending: set[bytes],
         deferred: list[Request],
         now: float,
+        out: SchedulerOutput,
+        by_priority: bool,
     ) -> bool:
-        """Admit the waiting ``req`` (popped by the caller) from its prefix-cache hit.
-        Returns False when the pool has no room for it: it goes back first in line and nothing
+        """Admit the waiting ``req`` (popped by the caller) from its prefix-cache hit; under
+        "priority", preempting running requests it outranks while it has no seat or no KV.
+        Returns False when there is no room for it: it goes back first in line and nothing
         more is admitted this step."""
-        computed, num_hit = self.kv.get_computed_blocks(req)
-        if self._next_block_pending(req, num_hit, pending):
-            deferred.append(req)  # its prefix is being computed: wait and hit it
-            return True
-        n = min(req.num_tokens - num_hit, step.budget)
-        # before allocating: new blocks may evict the very cached block a miss is explained by
-        first = req.num_cached_tokens < 0  # a preempted request's explanation stays its first
-        why = self.kv.explain(req, num_hit) if req.explain_cache and first else None
-        if self.kv.allocate_slots(req, n, computed) is None:
-            self.waiting.appendleft(req)  # no room now; it stays first in line
-            return False
+        while True:
+            computed, num_hit = self.kv.get_computed_blocks(req)
+            if self._next_block_pending(req, num_hit, pending):
+                deferred.append(req)  # its prefix is being computed: wait and hit it
+                return True
+            n = min(req.num_tokens - num_hit, step.budget)
+            # before allocating: new blocks may evict the very cached block a miss is
+            # explained by; a preempted request's explanation stays its first
+            first = req.num_cached_tokens < 0
+            why = self.kv.explain(req, num_hit) if req.explain_cache and first else None
+            if len(self.running) < self.config.max_num_seqs:
+                if self.kv.allocate_slots(req, n, computed) is not None:
+                    break
+            victim = self._outranked_by(req, step.loads) if by_priority else None
+            if victim is None:
+                self.waiting.appendleft(req)  # no room now; it stays first in line
+                return False
+            self._preempt(victim, out, step, bumped=True)
         self.kv.record_prefix_lookup(req.num_tokens, num_hit)
         pending.update(self._uncomputed_prompt_hashes(req, num_hit))
         req.num_computed_tokens = num_hit
@@ -266,9 +293,14 @@ class Scheduler:
             req.first_scheduled_time = now
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        step.loads[req.tenant] = step.loads.get(req.tenant, 0) + fairness.sequences(req)
         step.new_tokens[req.request_id] = n
         step.budget -= n
         return True
+
+    def _outranked_by(self, req: Request, loads: fairness.TenantLoads) -> Request | None:
+        """The running request the waiting ``req`` may preempt for its seat and KV, if any."""
+        return fairness.victim(self.running, loads, lambda r: fairness.outranks(req, r, loads))
 
     # -- in-batch prefix sharing -------------------------------------------------------------
     # Requests admitted together cannot hit each other's blocks: blocks enter the prefix cache
@@ -307,14 +339,24 @@ class Scheduler:
             out.block_copies.extend(self.kv.prepare_write(req))
         return self.kv.allocate_slots(req, n) is not None
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(
+        self, req: Request, out: SchedulerOutput, step: _StepBudget, bumped: bool = False
+    ) -> None:
+        """Free ``req``'s blocks and send it back to wait (recompute). ``bumped``: preempted
+        for a waiting request that outranks it; it rejoins the queue at the end of the step
+        (so it is not admitted again in this one)."""
         self.running.remove(req)
         self.kv.free(req)
+        step.budget += step.new_tokens.pop(req.request_id, 0)
+        step.loads[req.tenant] = step.loads.get(req.tenant, 0) - fairness.sequences(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if bumped:
+            step.bumped.append(req)
+        else:
+            self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
     def update_after_step(self, out: SchedulerOutput) -> None:

@@ -2,16 +2,23 @@
 
 ``snapshot`` copies the indexed blocks (hash, parent hash, token ids and their K/V as the
 storage holds them) on the engine's thread; ``write`` puts them in one safetensors file,
-atomically (a temporary file, fsync, rename), with a sha256 of every tensor byte and the
-engine's fingerprint in its metadata. ``load`` puts them back into a fresh pool's free blocks
-(evictable, in the order they would have been evicted) only if all of this holds, else it
-refuses the whole file and says why:
+atomically (a temporary file, fsync, rename), with the engine's fingerprint and an HMAC-SHA256
+of every metadata field and tensor byte in its metadata, under the key kept beside the file
+(``DIR/.hmac-key``, made at the first save: kv/persist_auth.py). ``load`` puts them back into a
+fresh pool's free blocks (evictable, in the order they would have been evicted) only if all of
+this holds, else it refuses the whole file and says why:
 
-- the file reads and is this format and version;
+- the path is a regular file (a FIFO, a device or a directory is refused unopened);
+- the file reads and is this format and version (version 2 files, whose plain sha256 anyone
+  could recompute after an edit, are refused);
 - its fingerprint equals the engine's (model weights, dtypes, block size, tokenizer, hash
   scheme: ``cache_fingerprint.py``), so the K/V are exactly what this engine would compute;
-- the checksum matches (a torn or altered file never loads);
+- the directory's key exists and the file's MAC under it matches: a torn file, or one edited
+  by anyone who cannot read the key, never loads (whoever can write the key can forge);
 - every block that has a parent hashes to its own hash (``hash_block(parent, tokens)``).
+
+A save interrupted by a kill leaves its temporary file (``.prefix-cache.safetensors.*.tmp``);
+``remove_stale_temps`` deletes those at the next start. The directory is one server's.
 
 Tenants stay apart across a restart for the same reason they do in memory: a first block's
 hash carries its salt and every later hash chains from it; hits still compare token ids.
@@ -21,7 +28,6 @@ recently used first when the pool is smaller than the file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -29,11 +35,13 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvserve.kv import persist_auth
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.prefix_cache import hash_block
 from kvserve.kv.storage import KVCacheStorage
@@ -41,8 +49,11 @@ from kvserve.kv.storage import KVCacheStorage
 logger = logging.getLogger(__name__)
 
 FORMAT = "kvserve-prefix-cache"
-FORMAT_VERSION = 2  # 2: blocks as named storage tensors (codes and scales)
+# 2: blocks as named storage tensors (codes and scales); 3: an HMAC-SHA256 under the
+# directory's key instead of a plain sha256
+FORMAT_VERSION = 3
 FILE_NAME = "prefix-cache.safetensors"
+TEMP_GLOB = f".{FILE_NAME}.*.tmp"  # write's temporary files
 HASH_BYTES = 32  # sha256
 
 Entry = tuple[bytes, bytes | None, tuple[int, ...]]  # (hash, parent hash, token ids)
@@ -69,23 +80,17 @@ def snapshot(pool: BlockPool, storage: KVCacheStorage) -> CacheSnapshot:
     return CacheSnapshot(entries, storage.read_blocks([b.block_id for b in blocks]))  # type: ignore[arg-type]
 
 
-def _checksum(tensors: Mapping[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 def write(snap: CacheSnapshot, directory: Path, fingerprint: Mapping[str, str]) -> PersistReport:
+    """Save ``snap`` as ``DIR/prefix-cache.safetensors`` (none when it is empty). Raises OSError
+    when something that is not a regular file is at the path, or the key is unusable."""
     path = Path(directory) / FILE_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
+    persist_auth.stat_regular(path, "the prefix cache path")
     n = len(snap.entries)
     if n == 0:
         path.unlink(missing_ok=True)  # nothing cached now: an older file would not be the truth
         return PersistReport(path, 0, 0)
+    key = persist_auth.load_or_create_key(path.parent)
     block_size = len(snap.entries[0][2])
     tensors = dict(snap.blocks)
     tensors["block_hashes"] = _hash_rows([e[0] for e in snap.entries])
@@ -97,14 +102,44 @@ def write(snap: CacheSnapshot, directory: Path, fingerprint: Mapping[str, str]) 
         "format": FORMAT,
         "version": str(FORMAT_VERSION),
         "fingerprint": json.dumps(dict(fingerprint), sort_keys=True),
-        "checksum": _checksum(tensors),
     }
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # concurrent saves: own files
-    save_file(tensors, tmp, metadata)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # a crash leaves the old file or the new one, never half of one
+    metadata[persist_auth.MAC_FIELD] = persist_auth.mac(key, metadata, tensors)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")  # TEMP_GLOB
+    try:
+        save_file(tensors, tmp, metadata)  # writes from the tensors' memory: no copy
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # a crash leaves the old file or the new one, never half of one
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
     return PersistReport(path, n, path.stat().st_size)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temps(directory: Path) -> list[tuple[Path, int]]:
+    """Delete the temporary files of saves that never finished (killed mid-write); returns
+    each one's path and size. Call it before any save of this process can run."""
+    removed = []
+    for tmp in sorted(Path(directory).glob(TEMP_GLOB)):
+        try:
+            st = tmp.lstat()
+            if not S_ISREG(st.st_mode):
+                continue
+            tmp.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append((tmp, st.st_size))
+    return removed
 
 
 def _hash_rows(hashes: list[bytes]) -> torch.Tensor:
@@ -122,11 +157,22 @@ def load(
     """Restore a saved prefix cache into ``pool``'s free blocks; never raises for a bad file
     (the report says why it was refused, and a warning is logged)."""
     path = Path(directory) / FILE_NAME
-    if not path.exists():
-        return PersistReport(path, 0, 0, "no saved prefix cache")
-    size = path.stat().st_size
     try:
-        entries, blocks = _read(path, fingerprint)
+        st = persist_auth.stat_regular(path, "the prefix cache path")
+        if st is None:
+            return PersistReport(path, 0, 0, "no saved prefix cache")
+        key = persist_auth.read_key(path.parent)
+    except OSError as e:
+        logger.warning("prefix cache %s refused, nothing loaded: %s", path, e)
+        return PersistReport(path, 0, 0, str(e))
+    size = st.st_size
+    try:
+        if key is None:
+            raise Refused(
+                f"no key at {persist_auth.key_path(path.parent)} to authenticate it with (the "
+                "first save writes it beside the file; copy it along with the cache)"
+            )
+        entries, blocks = _read(path, fingerprint, key)
         entries, blocks = _fit(entries, blocks, pool.num_free_blocks)
         restored = pool.restore(entries)
         try:
@@ -142,7 +188,7 @@ def load(
 
 
 def _read(
-    path: Path, fingerprint: Mapping[str, str]
+    path: Path, fingerprint: Mapping[str, str], key: bytes
 ) -> tuple[list[Entry], dict[str, torch.Tensor]]:
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -163,8 +209,13 @@ def _read(
         raise
     except Exception as e:  # noqa: BLE001 - safetensors raises its own errors for torn files
         raise Refused(f"unreadable ({type(e).__name__}: {e})") from e
-    if _checksum(tensors) != meta.get("checksum"):
-        raise Refused("checksum mismatch: the file is torn or was altered")
+    if not persist_auth.macs_equal(
+        persist_auth.mac(key, meta, tensors), meta.get(persist_auth.MAC_FIELD, "")
+    ):
+        raise Refused(
+            f"checksum (HMAC-SHA256 under {persist_auth.key_path(path.parent)}) mismatch: the "
+            "file is torn, was altered, or was saved under another key"
+        )
     try:
         hashes = [bytes(r) for r in tensors.pop("block_hashes").tolist()]
         parents = [bytes(r) for r in tensors.pop("parent_hashes").tolist()]

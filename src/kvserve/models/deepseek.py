@@ -110,7 +110,13 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(self, config: DeepseekConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # no random init: the checkpoint fills it (built on meta, nn.Embedding's normal_ goes
+        # through torch._refs and imports torch._dynamo: ~2 s of every start)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )

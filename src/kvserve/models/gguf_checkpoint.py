@@ -11,6 +11,7 @@ rotate-half layout.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,14 +117,20 @@ def open_gguf(path: Path) -> GgufHeader:
     try:
         return read_gguf_header(path)
     except UnsupportedHeader:
+        pass
+    try:
         reader = GGUFReader(path)
-        tensors = [
-            GgufTensor(
-                t.name, GGMLQuantizationType(t.tensor_type), tuple(map(int, t.shape)), t.data
-            )
-            for t in reader.tensors
-        ]
-        return GgufHeader(Path(path), read_gguf_metadata(reader), tensors)
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:
+        # a cut file fails inside GGUFReader as a short array that cannot be reshaped
+        size = Path(path).stat().st_size
+        raise ValueError(
+            f"{path} is truncated or corrupt ({size:,} bytes): gguf's reader failed on it: {e}"
+        ) from e
+    tensors = [
+        GgufTensor(t.name, GGMLQuantizationType(t.tensor_type), tuple(map(int, t.shape)), t.data)
+        for t in reader.tensors
+    ]
+    return GgufHeader(Path(path), read_gguf_metadata(reader), tensors)
 
 
 def read_gguf_config(path: Path) -> tuple[ModelConfig, GgufHeader]:

@@ -70,11 +70,12 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = config.head_dim
         self.theta = config.rope_theta
         self.scaling = config.rope_scaling
-        self.register_buffer(
-            "inv_freq",
-            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling),
-            persistent=False,
-        )
+        # computed on the CPU, then moved to the default device: built under
+        # torch.device("meta") (the loader, which recomputes it on the real device), its
+        # arithmetic would go through torch._refs and import torch._dynamo (~1 s of a start)
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq.to(torch.empty(0).device), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype

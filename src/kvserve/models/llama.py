@@ -106,7 +106,13 @@ EAGER_STEPS = LayerSteps(LlamaDecoderLayer.before_attention, LlamaDecoderLayer.a
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # no random init: the checkpoint fills it (built on meta, nn.Embedding's normal_ goes
+        # through torch._refs and imports torch._dynamo: ~2 s of every start)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )

@@ -17,6 +17,7 @@ row threshold from a measurement on this machine. ``WeightsReport`` says what wa
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -120,6 +121,8 @@ def _policies(
     use = device.type == "cpu" and load_kernels()
     isa = kernel_isa(features)
     out: dict[tuple[int, int, int], QuantPolicy] = {}
+    measured = 0
+    start = time.monotonic()
     for q in layers.values():
         key = (q.qtype, *q.shape)
         if key in out:
@@ -136,6 +139,13 @@ def _policies(
         cache_key = thresholds.key(**args) if thresholds is not None else ""
         found = thresholds.get(cache_key) if thresholds is not None else None
         if found is None:
+            if measured == 0:  # a cold start says what it is doing (info level is off)
+                logger.warning(
+                    "measuring which quantized matmul path is fastest at each row count on "
+                    "this machine (once per weight shape; kept in %s)",
+                    "memory only" if thresholds is None else thresholds.path,
+                )
+            measured += 1
             found = measure_kernel_max_rows(
                 q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16, bf16_kernel, amx=amx
             )
@@ -150,6 +160,8 @@ def _policies(
             bf16_kernel_max_rows=bf16_rows,
             amx_min_rows=amx_rows,
         )
+    if measured:
+        logger.warning("measured %d weight shape(s) in %.1f s", measured, time.monotonic() - start)
     return out
 
 

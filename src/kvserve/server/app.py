@@ -65,6 +65,7 @@ _ERRORS = {
     for code, desc in [
         (400, "invalid request"),
         (401, "missing or wrong API key"),
+        (403, "an admin route (/flush_cache, /save_cache) called with a tenant's key"),
         (404, "unknown model"),
         (413, "body too large"),
         (503, "loading, queue full or engine stopped"),
@@ -91,13 +92,23 @@ def build_app(state: ServerState) -> FastAPI:
             )
         return state.served
 
-    @app.get("/health")
-    async def health() -> Response:
-        status = served().engine.health()
-        if not status.ok:
-            code = f"engine_{status.state.value}"  # engine_dead | engine_wedged
-            raise APIError(503, status.message, code=code, headers={"Retry-After": "5"})
-        return Response(status_code=200)
+    # GET and HEAD (probes send either): {"status": "ok"} 200, else 503 with the status
+    # (loading | wedged | dead) beside the error in OpenAI's shape; HEAD: the same, no body
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request) -> Response:
+        if state.served is None:
+            status, error = "loading", APIError(503, "the model is still loading", code="loading")
+        else:
+            verdict = state.served.engine.health()
+            status = verdict.state.value  # ok | wedged | dead
+            error = None if verdict.ok else APIError(503, verdict.message, code=f"engine_{status}")
+        head = request.method == "HEAD"
+        if error is None:
+            return Response(status_code=200) if head else JSONResponse({"status": status})
+        retry = {"Retry-After": "5"}
+        if head:
+            return Response(status_code=503, headers=retry)
+        return JSONResponse({"status": status, **error.body().model_dump()}, 503, headers=retry)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

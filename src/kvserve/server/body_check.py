@@ -9,6 +9,11 @@ applies the per-request bounds (``bounds.py``). A body that fails there is refus
 replayed to the route, which parses it again -- now bounded by the same limits (at most
 ``max_prompts_per_request`` prompts and ``max_prompt_tokens_per_request`` token ids).
 Small bodies skip the round trip: parsing them costs less than it.
+
+Every JSON POST body, to any route and of any size, is first measured for nesting depth
+(``bounds.check_json_depth``, ``--max-json-depth``) before anything parses it: json's and
+pydantic's parsers recurse per level, and a deep body made them raise RecursionError (a 500
+with a traceback from here, a bare 400 from FastAPI).
 """
 
 from __future__ import annotations
@@ -40,8 +45,12 @@ Refusal = tuple[int, str, str | None, str | None]  # status, message, param, cod
 def precheck(path: str, raw: bytes, config: ServerConfig) -> Refusal | None:
     """In the side process: the refusal this body gets, or None to hand it to the route.
 
-    The same steps as FastAPI's parse and the route's first checks, in their order: JSON,
-    the pydantic model, then the bounds that need no tokenizer."""
+    The same steps as FastAPI's parse and the route's first checks, in their order: the
+    nesting depth, JSON, the pydantic model, then the bounds that need no tokenizer. Other
+    routes' bodies get the depth check alone."""
+    refusal = depth_refusal(raw, config)
+    if refusal is not None or path not in _MODELS:
+        return refusal
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -66,6 +75,14 @@ def precheck(path: str, raw: bytes, config: ServerConfig) -> Refusal | None:
             bounds.check_sequences(config, 1, req.n)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         bounds.check_stops(config, stop)
+    except APIError as e:
+        return e.status, e.message, e.param, e.code
+    return None
+
+
+def depth_refusal(raw: bytes, config: ServerConfig) -> Refusal | None:
+    try:
+        bounds.check_json_depth(config, raw)
     except APIError as e:
         return e.status, e.message, e.param, e.code
     return None
@@ -96,7 +113,8 @@ def new_checker_pool() -> Executor:
 
 
 class BodyCheckMiddleware:
-    """Pure ASGI: big generation bodies through ``precheck`` in ``pool`` first."""
+    """Pure ASGI: every JSON POST body's depth checked, big ones (with the generation
+    routes' checks) through ``precheck`` in ``pool``."""
 
     def __init__(
         self,
@@ -111,7 +129,7 @@ class BodyCheckMiddleware:
         self.min_bytes = min_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _MODELS:
+        if scope["type"] != "http" or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         # FastAPI reads a body with no content type as JSON too
         content_type = dict(scope["headers"]).get(b"content-type", b"json")
@@ -131,9 +149,11 @@ class BodyCheckMiddleware:
             refusal = await loop.run_in_executor(
                 self.pool, precheck, scope["path"], raw, self.config
             )
-            if refusal is not None:
-                status, text, param, code = refusal
-                return await APIError(status, text, param, code).response()(scope, receive, send)
+        else:  # at most a few milliseconds on the loop
+            refusal = depth_refusal(raw, self.config)
+        if refusal is not None:
+            status, text, param, code = refusal
+            return await APIError(status, text, param, code).response()(scope, receive, send)
         replayed = False
 
         async def replay() -> Message:

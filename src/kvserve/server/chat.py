@@ -2,7 +2,9 @@
 
 Streaming follows OpenAI: per choice, a first chunk with ``delta.role``, then content deltas,
 then a chunk with ``finish_reason``; with ``stream_options.include_usage`` a last chunk with
-empty choices and the usage.
+empty choices and the usage. A request with neither ``max_tokens`` nor
+``max_completion_tokens`` generates at most ``--default-chat-max-tokens`` (512) tokens, fewer
+when the context has less room left.
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def _prepare(served: Served, req: ChatCompletionRequest) -> tuple[list[int], Sam
     requested, param = req.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = req.max_tokens, "max_tokens"
-    max_tokens = served.resolve_max_tokens(requested, len(ids), None, param, "messages")
+    default = served.bounds.default_chat_max_tokens  # --default-chat-max-tokens
+    max_tokens = served.resolve_max_tokens(requested, len(ids), default, param, "messages")
     k = (req.top_logprobs or 0) if req.logprobs else None
     return ids, served.sampling_params(req, max_tokens, k, req.prompt_logprobs)
 
@@ -112,7 +115,7 @@ async def create_chat_completion(
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     stream = served.submit(
-        [PromptSpec(ids, params, explain_cache=req.return_cache_info)],
+        [PromptSpec(ids, params, req.return_cache_info, tenant_of(request))],
         salt_for(tenant_of(request), req.cache_salt),
         rid,
     )

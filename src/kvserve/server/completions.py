@@ -111,7 +111,7 @@ def _logprobs(
 
 
 def _prepare(
-    served: Served, req: CompletionRequest
+    served: Served, req: CompletionRequest, tenant: str | None
 ) -> tuple[list[tuple[list[int], str | None]], list[PromptSpec]]:
     """Validate and tokenize: blocking work, run in ``served``'s preprocessing pool."""
     served.check_model(req.model)
@@ -130,14 +130,14 @@ def _prepare(
             requested, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "max_tokens", "prompt"
         )
         params = served.sampling_params(req, max_tokens, req.logprobs, prompt_k)
-        specs.append(PromptSpec(ids, params, explain_cache=req.return_cache_info))
+        specs.append(PromptSpec(ids, params, req.return_cache_info, tenant))
     return prompts, specs
 
 
 async def create_completion(
     served: Served, req: CompletionRequest, request: HTTPRequest
 ) -> Response:
-    prompts, specs = await served.run_blocking(_prepare, served, req)
+    prompts, specs = await served.run_blocking(_prepare, served, req, tenant_of(request))
     prompt_lens = [len(ids) for ids, _ in prompts]
     prompt_only = req.max_tokens == 0  # echo alone: the one generated token is dropped
     rid = f"cmpl-{uuid.uuid4().hex}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.server.tenants import tenant_keys
+from kvserve.server.tenants import ApiKey, tenant_keys
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt that fits a context window
 _SCHEMES = ("tcp://", "ipc://", "inproc://")  # ZMQ transports a KV events endpoint may use
@@ -47,9 +47,11 @@ class KVEventsConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None  # None: no key needed (unless api_keys lists some)
-    # (key, tenant) pairs from --api-keys; each tenant's prefix cache is its own
-    api_keys: tuple[tuple[str, str], ...] = ()
+    # the operator's key (tenant "default", admin); None: no key needed (unless api_keys lists some)
+    api_key: str | None = None
+    # --api-keys: each tenant's prefix cache is its own; (key, tenant) pairs are taken as
+    # ApiKey(key, tenant) (no admin role)
+    api_keys: tuple[ApiKey, ...] = ()
     served_model_name: str | None = None  # None: the checkpoint's file or directory name
     # sequences (n x prompts) waiting to start, counted where requests enter; a request that
     # does not fit beside them gets 503 + Retry-After, one larger than the bound a 400
@@ -62,10 +64,30 @@ class ServerConfig:
     max_prompt_tokens_per_request: int = 1 << 18  # all prompts of one request together
     max_stop_strings: int = 32  # OpenAI allows 4; vLLM no limit; this bounds the per-token scan
     max_stop_chars: int = 4096  # total length of a request's stop strings
+    # a chat completion that sends neither max_tokens nor max_completion_tokens generates at
+    # most this many tokens (capped to the context left); vLLM's "all the context left" lets
+    # a small model that never emits EOS run to the end of its window. /v1/completions keeps
+    # OpenAI's and vLLM's 16 (serving.COMPLETIONS_DEFAULT_MAX_TOKENS)
+    default_chat_max_tokens: int = 512
     # a stream whose client has this many events per sequence unread is aborted
     max_stream_buffer_events: int = 1024
+    # a stream whose client takes no bytes (the connection holds more than stream_drain.py's
+    # PAUSE_BYTES for it) is paused; paused this long without a break, it is aborted
+    stream_stall_timeout_s: float = 30.0
+    # a request body nested deeper than this ([ and { levels) is a 400 before it is parsed
+    max_json_depth: int = 64
+    # a connection that sends no complete request head within this long of opening (or of its
+    # last response) is closed
+    header_timeout_s: float = 15.0
+    # open connections; one more is answered 503 and closed (lowered at start to fit the
+    # process's file descriptor limit: server/connections.py)
+    max_connections: int = 4096
     # /health turns 503 when no engine step has finished for this long while work waits
     health_stall_timeout_s: float = 30.0
+    # SIGTERM / SIGINT: in-flight requests get this long to finish (new connections are
+    # refused at once), then the rest are aborted, the prefix cache saved, exit 0; under
+    # Kubernetes' default 30 s grace period so the save is not cut off
+    shutdown_timeout_s: float = 10.0
     preprocess_threads: int = 2  # tokenizing / templating / validating, off the event loop
     # faults: this many failed engine steps in a row restart the loop; more than max_restarts
     # restarts within restart_window_s kill it (/health 503)
@@ -79,17 +101,18 @@ class ServerConfig:
     prefix_cache_dir: str | None = None
 
     @property
-    def tenant_keys(self) -> dict[str, str]:
-        """{key: tenant} of every accepted key; empty: the server takes no key."""
-        return tenant_keys(self.api_key, dict(self.api_keys))
+    def tenant_keys(self) -> dict[str, ApiKey]:
+        """Every accepted key by its text; empty: the server takes no key."""
+        return tenant_keys(self.api_key, self.api_keys)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (omit it for no key)")
+        object.__setattr__(self, "api_keys", tuple(ApiKey(*k) for k in self.api_keys))
         seen = set()
-        for key, tenant in self.api_keys:
+        for key, tenant, _ in self.api_keys:
             if not key or not tenant:
                 raise ValueError("api_keys entries need a non-empty key and tenant")
             if key in seen or key == self.api_key:
@@ -104,8 +127,11 @@ class ServerConfig:
             "max_prompts_per_request",
             "max_prompt_tokens_per_request",
             "max_stream_buffer_events",
+            "max_json_depth",
+            "max_connections",
             "preprocess_threads",
             "max_consecutive_step_failures",
+            "default_chat_max_tokens",
         ):
             _at_least(name, getattr(self, name), 1)
         _at_least("max_restarts", self.max_restarts, 0)
@@ -113,6 +139,13 @@ class ServerConfig:
             raise ValueError(f"restart_window_s must be positive, got {self.restart_window_s}")
         _at_least("max_stop_strings", self.max_stop_strings, 0)
         _at_least("max_stop_chars", self.max_stop_chars, 0)
+        for name in ("stream_stall_timeout_s", "header_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.shutdown_timeout_s <= 3600:
+            raise ValueError(
+                f"shutdown_timeout_s must be in [0, 3600] seconds, got {self.shutdown_timeout_s}"
+            )
         if not self.health_stall_timeout_s > 0:
             raise ValueError(
                 f"health_stall_timeout_s must be positive, got {self.health_stall_timeout_s}"

@@ -26,6 +26,7 @@ class PromptSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     explain_cache: bool = False  # outputs carry kv_cache (kv/cache_explain.py)
+    tenant: str | None = None  # the caller's (API key's); the scheduler is fair among them
 
 
 @dataclass(frozen=True, slots=True)

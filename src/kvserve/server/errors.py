@@ -21,7 +21,12 @@ from kvserve.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {401: "authentication_error", 404: "invalid_request_error", 503: "server_error"}
+_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    503: "server_error",
+}
 
 
 class APIError(Exception):
@@ -62,26 +67,55 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
-def validation_message(errors: Sequence[Mapping]) -> tuple[str, str | None]:
-    """pydantic's errors (FastAPI's, or ``body_check``'s) as one message and the param."""
+# a smallest body per route, shown when the body is empty or not a JSON object
+_EXAMPLES = {
+    "/v1/chat/completions": '{"messages": [{"role": "user", "content": "Hello"}]}',
+    "/detokenize": '{"tokens": [1, 2, 3]}',
+}
+_DEFAULT_EXAMPLE = '{"prompt": "Hello"}'
+
+
+def validation_message(
+    errors: Sequence[Mapping], path: str | None = None
+) -> tuple[str, str | None]:
+    """pydantic's errors (FastAPI's, or ``body_check``'s) as one message and the param.
+    ``path``: the route, for an example body when the body itself is wrong."""
     if not errors:
         return "invalid request", None
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     # union members show up in loc as type names ("str", "list[int]"); keep the field path
-    path = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
-    param = ".".join(path) or None
+    fields = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
+    param = ".".join(fields) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    got = first.get("input")
+    if param is None and (whole := _whole_body_message(first.get("type"), got, path)):
+        return whole, None
     if first.get("type") == "missing":
         return f"missing required parameter: {param}", param
-    got = first.get("input")
-    try:
-        shown = json.dumps(got)[:100]
-    except (TypeError, ValueError):
-        shown = repr(got)[:100]
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
-    return f"{param or 'body'}: {first.get('msg')}, got {shown}{more}", param
+    return f"{param or 'body'}: {first.get('msg')}, got {_shown(got)}{more}", param
+
+
+def _shown(got: object) -> str:
+    try:
+        return json.dumps(got)[:100]
+    except (TypeError, ValueError):
+        return repr(got)[:100]
+
+
+def _whole_body_message(error_type: object, got: object, path: str | None) -> str | None:
+    """The body itself is wrong (empty, not JSON, not an object): say so, with an example."""
+    example = _EXAMPLES.get(path or "", _DEFAULT_EXAMPLE)
+    how = f"send a JSON object with Content-Type: application/json, e.g. {example}"
+    if error_type == "missing":  # FastAPI reads an empty body as no body at all
+        return f"the request body is empty; {how}"
+    if isinstance(got, bytes | bytearray):  # FastAPI parses JSON only under a JSON media type
+        return f"the request body was not sent as JSON; {how}"
+    if isinstance(got, Mapping):
+        return None
+    return f"the request body must be a JSON object, got {_shown(got)}; {how}"
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -90,8 +124,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc.errors())
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors(), request.url.path)
         return bad_request(message, param, "invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -16,6 +16,10 @@ Compact on the wire: ``blocks`` is one int per block, and only USED blocks appea
 ``block_requests``, as indices into ``requests`` (the ids of requests holding blocks). No
 token ids leave the server: the view shows which request holds what, not what it holds.
 
+With tenants (``--api-keys``) a caller without the admin role sees its own tenant's request
+ids only (``viewer``): blocks that only other tenants' requests hold stay USED, held by one
+anonymous entry, ``OTHER_TENANTS``, so the pool's occupancy still adds up.
+
 ``cache_dtypes`` is the exact bytes one token of one KV head takes per cache dtype and head
 dim (``CacheDtype.bytes_per_head``: codes + float16 scales per group of 32), so the page's
 calculator computes with the engine's own figures rather than a copy of the formats.
@@ -29,10 +33,14 @@ from dataclasses import asdict, dataclass
 from kvserve.engine.engine import LLMEngine
 from kvserve.kv.cache_dtype import CACHE_DTYPE_NAMES, CacheDtype
 from kvserve.server.latency_window import LatencySummary
+from kvserve.server.tenants import tenant_of_salt
 
 # head dims the calculator offers (common checkpoints'), plus the served model's own
 CALCULATOR_HEAD_DIMS = (32, 48, 64, 80, 96, 112, 128, 160, 192, 256)
 CACHE_DTYPES = tuple(n for n in CACHE_DTYPE_NAMES if n != "auto")
+# what a non-admin viewer sees in place of other tenants' request ids (never a request id:
+# the server's are "cmpl-..." and "chatcmpl-...")
+OTHER_TENANTS = "(other tenants)"
 
 
 class BlockState(enum.IntEnum):
@@ -134,14 +142,22 @@ def spec_summary(engine: LLMEngine) -> SpecSummary:
     )
 
 
+def _tenant_of_request(engine: LLMEngine, request_id: str) -> str | None:
+    req = engine.scheduler.requests.get(request_id)
+    return None if req is None else tenant_of_salt(req.cache_salt)
+
+
 def build_kv_state(
     engine: LLMEngine,
     model_name: str,
     latency: LatencySummary | None = None,
     num_waiting: int | None = None,
+    viewer: str | None = None,
 ) -> KVState:
     """The pool now. ``num_waiting``: the server's count (requests queued before the engine
-    too, AsyncEngine.num_waiting); default the engine's own waiting queue."""
+    too, AsyncEngine.num_waiting); default the engine's own waiting queue. ``viewer``: the
+    tenant asking, who sees only its own requests' ids; None sees every id (an admin, or a
+    server without tenants)."""
     manager = engine.kv_manager
     pool = manager.pool
     # O(cached + used) rather than a Python step per block: a block's ref count is the number
@@ -154,15 +170,24 @@ def build_kv_state(
             blocks[b.block_id] = cached
     requests: list[str] = []
     block_requests: dict[int, list[int]] = {}
+    others: int | None = None  # the index of OTHER_TENANTS, once a hidden request holds blocks
     for rid in manager.req_to_blocks:  # every group's tables have the same requests
         table = manager.held_blocks(rid)  # all groups' blocks (none for window-passed entries)
         if not table:
             continue
-        index = len(requests)
-        requests.append(rid)
+        if viewer is None or _tenant_of_request(engine, rid) == viewer:
+            index = len(requests)
+            requests.append(rid)
+        else:
+            if others is None:
+                others = len(requests)
+                requests.append(OTHER_TENANTS)
+            index = others
         for b in table:
             blocks[b.block_id] = used
-            block_requests.setdefault(b.block_id, []).append(index)
+            holders = block_requests.setdefault(b.block_id, [])
+            if index not in holders:  # two hidden requests on one block: one entry
+                holders.append(index)
     stats = engine.stats()
     num_cached = blocks.count(cached)
     queries, hits = stats.prefix_cache_queries, stats.prefix_cache_hits

@@ -1,7 +1,14 @@
-"""Start the server: bind first, load the model in the background, then serve.
+"""Start the server: bind first, load the model in the background, then serve; stop in order.
 
 /health answers 503 until the model is loaded and the engine loop runs. A model that fails to
 load stops the server with that error.
+
+SIGTERM and SIGINT run one orderly shutdown: new connections are refused at once, in-flight
+requests get ``--shutdown-timeout`` seconds to finish and are then aborted, the engine loop
+stops, the prefix cache is saved, KV events close, and the process exits 0. (uvicorn, left to
+itself, re-raises a SIGTERM after its own shutdown, which kills the process before any of that
+cleanup; systemd, Docker and Kubernetes all stop services with SIGTERM.) A second signal skips
+the grace period.
 """
 
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import logging
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,26 +29,16 @@ from kvserve.config import EngineConfig
 from kvserve.default_model import default_model_path
 from kvserve.engine.engine import LLMEngine
 from kvserve.engine.faults import FaultInjector
+from kvserve.models.architectures import hf_architectures
 from kvserve.models.model_session import ModelSession
 from kvserve.server.app import build_app, new_state
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.config import ServerConfig
+from kvserve.server.connections import uvicorn_options
 from kvserve.server.engine_records import WorkerInfo
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.prefix_cache_dir import PrefixCacheDir
 from kvserve.server.serving import Served
-
-# HF architecture names of the model types models/llama.py serves (SUPPORTED_MODEL_TYPES;
-# SmolLM checkpoints are Llama ones)
-HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "smollm": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +68,15 @@ def load_served(
     if server_config.kv_events is not None:
         cache = dataclasses.replace(cache, enable_kv_cache_events=True)
     engine = LLMEngine.from_session(
-        session, cache, engine_config.scheduler, engine_config.enforce_eager, faults
+        session,
+        cache,
+        engine_config.scheduler,
+        engine_config.enforce_eager,
+        faults,
+        engine_config.compile_mode,
     )
-    closers: list[Callable[[], None]] = []
+    # stops a background compile: the process must not exit while the compiler runs
+    closers: list[Callable[[], None]] = [engine.close]
     publish = None
     cache_dir = None
     if server_config.prefix_cache_dir is not None:
@@ -105,7 +109,7 @@ def load_served(
         model_path=str(engine_config.model or session.path),
         served_model_name=model_name,
         model_type=session.config.model_type,
-        architectures=(HF_ARCHITECTURES.get(session.config.model_type, "LlamaForCausalLM"),),
+        architectures=hf_architectures(session.config.model_type, session.path),
         tokenizer_path=None if session.tokenizer is None else str(session.path),
         dtype=str(session.model.dtype).removeprefix("torch."),
         max_model_len=engine.limits.max_model_len,
@@ -131,19 +135,39 @@ def load_served(
     )
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's Server, but a SIGTERM/SIGINT it caught is not raised again after ``run()``
+    returns: ``run_server``'s cleanup runs and the process exits 0."""
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        if not self.should_exit:
+            logger.warning(
+                "%s: shutting down (in-flight requests get %.0f s; a second signal skips it)",
+                signal.Signals(sig).name,
+                self.config.timeout_graceful_shutdown or 0,
+            )
+        elif not self.force_exit:
+            logger.warning("%s again: aborting in-flight requests now", signal.Signals(sig).name)
+        was_exiting = self.should_exit
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
+        self.force_exit = self.force_exit or was_exiting  # uvicorn forces on SIGINT only
+        self._captured_signals.clear()
+
+
 def run_server(
     engine_config: EngineConfig, server_config: ServerConfig, faults: FaultInjector | None = None
 ) -> None:
     name = server_config.served_model_name or default_model_name(engine_config.model)
     state = new_state(server_config, name)
     app = build_app(state)
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=server_config.host,
             port=server_config.port,
             log_config=None,  # the CLI configured logging; uvicorn's loggers propagate to it
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=server_config.shutdown_timeout_s,
+            **uvicorn_options(server_config),  # header timeout, connection cap (connections.py)
         )
     )
     failure: list[BaseException] = []
@@ -161,8 +185,11 @@ def run_server(
     try:
         server.run()
     finally:
+        # uvicorn has answered or cancelled every request by now; stop the loop, then the
+        # closers (prefix-cache save, KV events)
         if state.served is not None:
             state.served.close()
         state.body_check_pool.shutdown(wait=True, cancel_futures=True)
     if failure:
         raise failure[0]
+    logger.info("server stopped")

@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: the API key check (and the caller's tenant) and the request body size limit.
+"""Pure ASGI middleware: the API key check (and the caller's tenant and role) and the request
+body size limit.
 
 Both answer before any route runs, in OpenAI's error shape. Being plain ASGI (not Starlette's
 BaseHTTPMiddleware) they do not buffer responses, so streams pass through untouched.
@@ -6,43 +7,77 @@ BaseHTTPMiddleware) they do not buffer responses, so streams pass through untouc
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.errors import APIError
-from kvserve.server.tenants import SCOPE_KEY
+from kvserve.server.tenants import ADMIN_SCOPE_KEY, SCOPE_KEY, ApiKey
 
 # answered without a key: a liveness verdict only, no data. Load balancers and routers probe it
 # without credentials (SGLang's router does; so do Kubernetes probes), as vLLM leaves it open
 OPEN_PATHS = frozenset({"/health"})
+_WHITESPACE = b" \t"  # RFC 7230's OWS and RWS are spaces and horizontal tabs
+
+
+class AuthorizationError(ValueError):
+    """The Authorization header is malformed (not merely a wrong key): a 400."""
+
+
+def bearer_credentials(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of the request's one ``Authorization: Bearer TOKEN`` header (RFC 7235, RFC
+    6750): the scheme in any case, one or more spaces or tabs before the token, surrounding
+    whitespace ignored. None when there is no header or it names another scheme (a 401);
+    raises ``AuthorizationError`` for two or more Authorization headers (RFC 7230 section 3.2.2:
+    a field that is not a list appears once; which one a proxy forwards is anyone's guess)."""
+    values = [value for name, value in headers if name.lower() == b"authorization"]
+    if len(values) > 1:
+        raise AuthorizationError(
+            f"send one Authorization header, got {len(values)}: which of them holds the key "
+            "is ambiguous"
+        )
+    if not values:
+        return None
+    value = values[0].strip(_WHITESPACE)
+    end = next((i for i, c in enumerate(value) if c in _WHITESPACE), len(value))
+    scheme, token = value[:end], value[end:].lstrip(_WHITESPACE)
+    if scheme.lower() != b"bearer" or not token:
+        return None
+    return token
 
 
 class APIKeyMiddleware:
     """Every path but ``open_paths`` (default ``OPEN_PATHS``; the app adds the web view's
     static page, server/web_view.py) needs ``Authorization: Bearer KEY`` with a known key; the
-    key's tenant goes into the scope (``tenants.SCOPE_KEY``). Every key is compared, in
-    constant time, whatever matched: the time taken does not tell which key came close."""
+    key's tenant and role go into the scope (``tenants.SCOPE_KEY``, ``ADMIN_SCOPE_KEY``). Keys
+    are compared as sha256 digests, every one of them in constant time whatever matched: the
+    time taken tells neither which key came close nor how long the keys are."""
 
     def __init__(
-        self, app: ASGIApp, keys: Mapping[str, str], open_paths: frozenset[str] = OPEN_PATHS
+        self, app: ASGIApp, keys: Mapping[str, ApiKey], open_paths: frozenset[str] = OPEN_PATHS
     ) -> None:
         if not keys:
             raise ValueError("APIKeyMiddleware needs at least one key")
         self.app = app
         self.open_paths = open_paths
-        self.keys = [(f"Bearer {key}".encode(), tenant) for key, tenant in keys.items()]
+        self.keys = [(hashlib.sha256(k.key.encode()).digest(), k) for k in keys.values()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        tenant = None
-        for expected, name in self.keys:
-            if hmac.compare_digest(given, expected):
-                tenant = name
-        if tenant is None:
+        try:
+            token = bearer_credentials(scope["headers"])
+        except AuthorizationError as e:
+            error = APIError(400, str(e), code="invalid_authorization_header")
+            return await error.response()(scope, receive, send)
+        given = hashlib.sha256(token or b"").digest()
+        found = None
+        for digest, key in self.keys:
+            if hmac.compare_digest(given, digest):
+                found = key
+        if token is None or found is None:
             error = APIError(
                 401,
                 "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -50,7 +85,8 @@ class APIKeyMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             )
             return await error.response()(scope, receive, send)
-        scope[SCOPE_KEY] = tenant
+        scope[SCOPE_KEY] = found.tenant
+        scope[ADMIN_SCOPE_KEY] = found.admin
         await self.app(scope, receive, send)
 
 

@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from kvserve.engine.limits import RequestLimits, RequestRejected
 from kvserve.engine.request import RequestOutput
@@ -41,6 +39,9 @@ from kvserve.server.engine_records import WorkerInfo
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.prefix_cache_dir import PrefixCacheDir
 from kvserve.server.protocol import PromptTokensDetails, Usage, _SamplingRequest
+from kvserve.server.stream_drain import (
+    EventStreamResponse as EventStreamResponse,  # the routes' SSE
+)
 from kvserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -274,22 +275,6 @@ async def stream_events(stream: RequestStream) -> AsyncIterator[OutputEvent]:
         if isinstance(event, ErrorEvent):
             raise APIError(event.status, event.message)
         yield event
-
-
-class EventStreamResponse(StreamingResponse):
-    """SSE over an engine stream that aborts the request however the response ends: also
-    when the client leaves before the body generator ever started (its ``finally`` would
-    then never run)."""
-
-    def __init__(self, body: AsyncIterator[str], stream: RequestStream) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self.engine_stream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.engine_stream.abort()  # no-op once finished
 
 
 def usage(prompt_lens: Sequence[int], finals: Sequence[RequestOutput], cached: int) -> Usage:

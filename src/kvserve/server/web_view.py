@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.resources import files
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.engine.engine import LLMEngine
@@ -22,6 +22,7 @@ from kvserve.server.engine_records import EngineDeadError
 from kvserve.server.errors import APIError
 from kvserve.server.kv_state import KVState, build_kv_state
 from kvserve.server.serving import Served
+from kvserve.server.tenants import is_admin, tenant_of
 
 # path -> (file in server/static/, media type)
 WEB_VIEW_ASSETS = {
@@ -54,14 +55,17 @@ def add_web_view_routes(app: FastAPI, served: Callable[[], Served]) -> None:
         app.add_api_route(path, asset, methods=["GET"], include_in_schema=False)
 
     @app.get("/v1/kv_state")
-    async def kv_state() -> JSONResponse:
-        """Every block's state, the request ids holding used blocks, the cache's shape, the
-        engine's counts and the latest TTFT / TPOT (server/kv_state.py)."""
+    async def kv_state(request: Request) -> JSONResponse:
+        """Every block's state, the request ids holding used blocks (a tenant's own only,
+        unless its key is an admin's), the cache's shape, the engine's counts and the latest
+        TTFT / TPOT (server/kv_state.py)."""
         s = served()
         loop = s.engine
+        viewer = None if is_admin(request) else tenant_of(request)
 
         def read(engine: LLMEngine) -> KVState:  # on the loop thread, between two steps
-            return build_kv_state(engine, s.model_name, loop.latency.summary(), loop.num_waiting)
+            summary = loop.latency.summary()
+            return build_kv_state(engine, s.model_name, summary, loop.num_waiting, viewer)
 
         try:
             state = await loop.call(read)

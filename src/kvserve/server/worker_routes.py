@@ -13,10 +13,12 @@ stack) ask a replica, answered as SGLang's and vLLM's servers answer it.
   answer says how many cached blocks were dropped.
 - ``/save_cache`` (POST; kvserve's own, with ``--prefix-cache-dir``): writes the prefix cache
   to disk now (server/prefix_cache_dir.py), as shutdown does; the answer says how many
-  blocks and bytes.
+  blocks and bytes. One save at a time: a second caller gets 409 while one runs (each save
+  holds a copy of the whole cache).
 
 Every path sits behind the API key like the rest of the server (the router sends its own
-``--api-key`` to workers as a bearer token).
+``--api-key`` to workers as a bearer token). ``/flush_cache`` and ``/save_cache`` act on every
+tenant's cache: they need an admin key (tenants.py; 403 otherwise).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvserve.server.engine_records import EngineDeadError, WorkerInfo
 from kvserve.server.errors import APIError
+from kvserve.server.prefix_cache_dir import SaveInProgressError
 from kvserve.server.serving import Served
+from kvserve.server.tenants import require_admin
 
 
 def add_worker_routes(app: FastAPI, served: Callable[[], Served]) -> None:
@@ -91,7 +95,8 @@ def add_worker_routes(app: FastAPI, served: Callable[[], Served]) -> None:
             ]
         )
 
-    async def flush_cache() -> JSONResponse:
+    async def flush_cache(request: Request) -> JSONResponse:
+        require_admin(request)
         try:
             dropped = await served().engine.flush_prefix_cache()
         except EngineDeadError as e:  # the loop died or restarted first: nothing to flush now
@@ -107,7 +112,8 @@ def add_worker_routes(app: FastAPI, served: Callable[[], Served]) -> None:
     app.add_api_route("/flush_cache", flush_cache, methods=["POST", "GET"])
 
     @app.post("/save_cache")
-    async def save_cache() -> JSONResponse:
+    async def save_cache(request: Request) -> JSONResponse:
+        require_admin(request)
         s = served()
         if s.prefix_cache_dir is None:
             raise APIError(
@@ -115,8 +121,14 @@ def add_worker_routes(app: FastAPI, served: Callable[[], Served]) -> None:
             )
         try:
             report = await s.prefix_cache_dir.save(s.engine)
+        except SaveInProgressError as e:
+            raise APIError(
+                409, str(e), code="save_in_progress", headers={"Retry-After": "5"}
+            ) from e
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_dead", headers={"Retry-After": "5"}) from e
+        except OSError as e:  # the directory or a non-regular file at the path (persist.py)
+            raise APIError(500, f"the prefix cache was not saved: {e}", code="save_failed") from e
         return JSONResponse(
             {
                 "success": True,
