@@ -202,6 +202,8 @@ def start_server(args: argparse.Namespace, log_dir: Path) -> tuple[subprocess.Po
     keys.write_text(f"{KEYS['chats']} chats\n{KEYS['batch']} batch\n")
     port = free_port()
     argv = [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", args.dtype]
+    # compiled before /health: a background compile would share the CPU with the first run
+    argv += ["--compile-mode", "sync"]
     argv += ["--port", str(port), "--log-interval", "60", "--api-key", KEYS["operator"]]
     argv += ["--api-keys", str(keys), *args.kvserve_args.split()]
     log = open(log_dir / "kvserve.log", "wb")  # noqa: SIM115 - lives as long as the server

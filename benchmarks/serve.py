@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     servers: dict[str, tuple[str, subprocess.Popen]] = {}
     kv_port = free_port()
     kv_argv = [sys.executable, "-m", "kvserve.cli", "serve", "--dtype", args.dtype]
+    # compiled before /health: a background compile would share the CPU with the first run
+    kv_argv += ["--compile-mode", "sync"]
     kv_argv += ["--port", str(kv_port), "--log-interval", "60", *args.kvserve_args.split()]
     url = f"http://127.0.0.1:{kv_port}"
     servers["kvserve"] = (url, start("kvserve", kv_argv, url, log_dir))

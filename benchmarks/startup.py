@@ -61,7 +61,10 @@ def time_chat(env: dict[str, str]) -> float:
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(f"{PROMPT}\n".encode())
     proc.stdin.flush()
-    proc.stdout.read(1)  # the first byte of the reply
+    # input() writes its prompt "> " to stdout first; the reply's first byte follows it
+    while proc.stdout.read(2) != b"> ":
+        pass
+    proc.stdout.read(1)
     first = time.monotonic() - start
     proc.stdin.close()
     proc.wait(timeout=600)
