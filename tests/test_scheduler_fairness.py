@@ -260,40 +260,7 @@ FairSchedulerMachine.TestCase.settings = SchedulerMachine.TestCase.settings
 TestFairScheduler = FairSchedulerMachine.TestCase
 
 
-def test_interactive_prefills_share_the_step_and_batch_prefill_takes_what_the_cap_leaves() -> None:
-    # a step that carries decodes: chat turns arriving together are all prefilled in it (each
-    # chunk within the cap); the batch prompt waiting behind them gets the cap minus theirs
-    sched = make_scheduler(
-        num_blocks=256,
-        max_num_seqs=16,
-        max_batched=512,
-        scheduling_policy="priority",
-        max_prefill_tokens_with_decodes=32,
-    )
-    model = FakeModel(sched)
-    sched.add_request(req("decoding", 4, BATCH, seed=1))
-    step(sched, model)  # its prefill; it decodes from now on
-    for i in range(4):
-        sched.add_request(req(f"chat{i}", 12, INTERACTIVE, seed=10 + i))
-    sched.add_request(req("long-chat", 60, INTERACTIVE, seed=20))
-    sched.add_request(req("batch", 40, BATCH, seed=30))
-    scheduled, preempted = step(sched, model)
-    assert preempted == []
-    # 4 x 12 + 32 (the long chat's chunk, the cap) = 80 interactive tokens, past the cap of 32
-    assert scheduled == {
-        "decoding": 1,
-        "chat0": 12,
-        "chat1": 12,
-        "chat2": 12,
-        "chat3": 12,
-        "long-chat": 32,
-    }
-    scheduled, _ = step(sched, model)  # the long chat's last 28: the batch gets 32 - 28
-    assert scheduled["long-chat"] == 28 and scheduled["batch"] == 4
-    drain(sched, model)
-
-
-def test_without_interactive_prefill_the_cap_bounds_batch_prefill_as_before() -> None:
+def test_the_prefill_cap_bounds_batch_prefill_beside_decodes() -> None:
     sched = make_scheduler(
         num_blocks=256,
         max_num_seqs=16,

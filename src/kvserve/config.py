@@ -97,14 +97,12 @@ class SchedulerConfig:
     # "priority": lowest ``Request.priority`` first, then arrival (vLLM); a waiting request
     # may be admitted before a lower-ranked running prefill continues. The server gives a
     # batch's k-th prompt priority k, so a batch yields to single requests; interactive
-    # requests before batch members and tenants round-robin, with preemption for a seat
+    # requests go before batch members and tenants round-robin, with preemption for a seat
     # (engine/fairness.py).
     scheduling_policy: str = "fcfs"
     # a step that carries decodes takes at most this many prefill tokens (None: up to the
     # step's budget). Bounds every stream's inter-token latency while prompts are prefilled
-    # (Sarathi-Serve's token budget); steps with no decode still use the whole budget. Under
-    # "priority" it bounds batch prefill and each interactive request's chunk: interactive
-    # prefills share the step's budget, the batch gets what the cap leaves after them.
+    # (Sarathi-Serve's token budget); steps with no decode still use the whole budget.
     max_prefill_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:

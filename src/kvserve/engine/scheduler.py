@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import SchedulerConfig
 from kvserve.engine import fairness
-from kvserve.engine.request import Request, RequestClass, RequestStatus
+from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv.manager import KVCacheManager
 
 
@@ -70,7 +70,6 @@ class _StepBudget:
     # preempted this step to seat a waiting request that outranks them ("priority"); they
     # rejoin the queue at the end of the step, behind those preempted for a running request
     bumped: list[Request] = field(default_factory=list)
-    chunk_limit: int | None = None  # most tokens one request's chunk may take (None: budget)
 
 
 class Scheduler:
@@ -170,18 +169,10 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:  # not preempted by an earlier one
                 self._schedule_running(req, step, out)
         cap = self.config.max_prefill_tokens_with_decodes
-        capped = True
         if step.new_tokens and cap is not None:
             # a step that carries decodes takes a bounded prefill: the step's length is every
-            # streaming client's inter-token latency, and the next arrival's wait. Priority:
-            # interactive prefills (chat turns arriving together) share the whole step, each
-            # request's chunk within the cap, so they wait for no batch prefill and not for
-            # each other; batch prefill takes what the cap leaves after them
-            if by_priority:
-                capped, step.chunk_limit = False, cap
-            else:
-                step.budget = min(step.budget, cap)
-        prefill_start = step.budget
+            # streaming client's inter-token latency, and the next arrival's wait
+            step.budget = min(step.budget, cap)
 
         if by_priority:
             partial.sort(key=fairness.rank)
@@ -207,25 +198,17 @@ class Scheduler:
             )
             # fcfs / lpm: running prefills continue before anything is admitted; priority:
             # a waiting request that outranks the next running prefill goes first
-            take_waiting = admitting and (
+            if admitting and (
                 head is None
                 or (by_priority and fairness.rank(self.waiting[0]) < fairness.rank(head))
-            )
-            candidate = self.waiting[0] if take_waiting else head
-            if candidate is None:
-                break
-            if not capped and candidate.request_class is not RequestClass.INTERACTIVE:
-                capped = True  # the first batch prefill: the cap, less the interactive ones
-                assert cap is not None
-                step.budget = min(step.budget, max(0, cap - (prefill_start - step.budget)))
-                continue
-            if take_waiting:
+            ):
                 req = self.waiting.popleft()
                 admitting = self._admit(req, step, pending, deferred, now, out, by_priority)
-            else:
-                assert head is not None
+            elif head is not None:
                 self._schedule_running(head, step, out)
                 i += 1
+            else:
+                break
         # the bumped (all preempted before any preemption for a running request: none is
         # admitted after one) behind those, most recent first, as _preempt would have put them
         grown = len(out.preempted) - len(step.bumped)
@@ -256,8 +239,6 @@ class Scheduler:
         """Give a running request its next chunk, preempting the newest running requests
         (``req`` itself last) until its blocks fit."""
         n = min(req.num_tokens - req.num_computed_tokens, step.budget)
-        if step.chunk_limit is not None:
-            n = min(n, step.chunk_limit)
         if n <= 0:
             return
         by_priority = self.config.scheduling_policy == "priority"
@@ -290,8 +271,6 @@ class Scheduler:
                 deferred.append(req)  # its prefix is being computed: wait and hit it
                 return True
             n = min(req.num_tokens - num_hit, step.budget)
-            if step.chunk_limit is not None:
-                n = min(n, step.chunk_limit)
             # before allocating: new blocks may evict the very cached block a miss is
             # explained by; a preempted request's explanation stays its first
             first = req.num_cached_tokens < 0
