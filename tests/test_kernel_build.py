@@ -137,6 +137,8 @@ def test_a_build_killed_by_sigterm_leaves_nothing_that_stops_the_next_start(
     assert "kvserve kernels: loaded from" in second.stdout
     assert "built kvserve's C++ kernels" in second.stderr
     assert (build_log.parent / build.COMPLETE_STAMP).is_file()
+    # the killed compilers' temporary files went to the build dir, cleared by this start
+    assert list((build_log.parent / "tmp").iterdir()) == []
 
     third = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert third.returncode == 0 and "building" not in third.stderr  # loads, no rebuild

@@ -223,10 +223,13 @@ def test_bearer_credentials(value: bytes, token: bytes | None) -> None:
     assert bearer_credentials([(b"host", b"x"), (b"authorization", value)]) == token
 
 
-def test_two_authorization_headers_are_a_400() -> None:
-    with pytest.raises(AuthorizationError, match="one Authorization header, got 2"):
+def test_two_different_authorization_headers_are_a_400() -> None:
+    with pytest.raises(AuthorizationError, match="one Authorization header, got 2 different"):
         bearer_credentials([(b"authorization", b"Bearer a"), (b"authorization", b"Bearer b")])
     assert bearer_credentials([(b"host", b"x")]) is None
+    # the same header twice (SGLang's router forwards its client's and adds its own) is one
+    same = [(b"authorization", b"Bearer a"), (b"Authorization", b"Bearer a ")]
+    assert bearer_credentials(same) == b"a"
 
 
 @pytest.fixture
@@ -255,7 +258,7 @@ def test_the_middleware_accepts_any_case_and_refuses_two_headers(guarded, monkey
         r = guarded.get("/x", headers={"Authorization": header})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     for pair in (["Bearer beta-1", "Bearer wrong"], ["Bearer wrong", "Bearer beta-1"]):
-        # the last one no longer wins, nor the first: a request with two is refused
+        # the last one no longer wins, nor the first: two different ones are refused
         r = guarded.get("/x", headers=[("Authorization", v) for v in pair])
         assert r.status_code == 400, pair
         assert r.json()["error"]["code"] == "invalid_authorization_header"

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,6 +153,11 @@ def _compile(build_dir: Path, timeout_s: float, verbose: bool) -> None:
     # torch's own lock file, left by a build killed before it could remove it; we hold the
     # flock, so no kvserve process is building here now
     (build_dir / "lock").unlink(missing_ok=True)
+    # the compilers' temporary files: a killed gcc leaves its .s files behind, here rather
+    # than in /tmp, and this start clears what an earlier killed one left
+    tmp = build_dir / "tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     logger.warning(
         "building kvserve's C++ kernels in %s: about %d minute(s) on this machine, once "
         "(later starts load them in a second)",
@@ -172,7 +178,8 @@ def _compile(build_dir: Path, timeout_s: float, verbose: bool) -> None:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # build.log as it happens
+            # build.log as it happens; compiler temporaries in the build dir
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)},
             start_new_session=True,  # its own process group: killed as one (ninja, compilers)
         )
         try:

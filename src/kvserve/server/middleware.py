@@ -27,20 +27,26 @@ class AuthorizationError(ValueError):
 
 
 def bearer_credentials(headers: list[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of the request's one ``Authorization: Bearer TOKEN`` header (RFC 7235, RFC
-    6750): the scheme in any case, one or more spaces or tabs before the token, surrounding
-    whitespace ignored. None when there is no header or it names another scheme (a 401);
-    raises ``AuthorizationError`` for two or more Authorization headers (RFC 7230 section 3.2.2:
-    a field that is not a list appears once; which one a proxy forwards is anyone's guess)."""
-    values = [value for name, value in headers if name.lower() == b"authorization"]
+    """The token of the request's ``Authorization: Bearer TOKEN`` header (RFC 7235, RFC 6750):
+    the scheme in any case, one or more spaces or tabs before the token, surrounding
+    whitespace ignored. None when there is no header or it names another scheme (a 401).
+
+    Several Authorization headers are taken only when they say the same thing: SGLang's router
+    forwards its client's header and adds its own (with the same key in `kvserve cluster`).
+    Headers that differ raise ``AuthorizationError`` (a 400): RFC 7230 section 3.2.2 allows
+    one such field, and which one a proxy in front checked is anyone's guess, so neither the
+    first nor the last may win."""
+    values = {
+        value.strip(_WHITESPACE) for name, value in headers if name.lower() == b"authorization"
+    }
     if len(values) > 1:
         raise AuthorizationError(
-            f"send one Authorization header, got {len(values)}: which of them holds the key "
-            "is ambiguous"
+            f"send one Authorization header, got {len(values)} different ones: which of them "
+            "holds the key is ambiguous"
         )
     if not values:
         return None
-    value = values[0].strip(_WHITESPACE)
+    value = values.pop()
     end = next((i for i, c in enumerate(value) if c in _WHITESPACE), len(value))
     scheme, token = value[:end], value[end:].lstrip(_WHITESPACE)
     if scheme.lower() != b"bearer" or not token:
