@@ -148,7 +148,7 @@ def build_kernels(verbose: bool = False) -> None:
 
 
 def _compile(build_dir: Path, timeout_s: float, verbose: bool) -> None:
-    """Run the build in a child process group (the caller holds the build lock)."""
+    """Run the build in a child session (the caller holds the build lock)."""
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's own lock file, left by a build killed before it could remove it; we hold the
     # flock, so no kvserve process is building here now
@@ -180,7 +180,7 @@ def _compile(build_dir: Path, timeout_s: float, verbose: bool) -> None:
             stderr=subprocess.STDOUT,
             # build.log as it happens; compiler temporaries in the build dir
             env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)},
-            start_new_session=True,  # its own process group: killed as one (ninja, compilers)
+            start_new_session=True,  # its own session: killed as one (ninja, compilers)
         )
         try:
             while True:
@@ -205,17 +205,26 @@ def _compile(build_dir: Path, timeout_s: float, verbose: bool) -> None:
     if verbose:
         sys.stderr.write(log_path.read_text(errors="replace"))
     stamp = build_dir / COMPLETE_STAMP
-    tmp = stamp.with_name(f"{COMPLETE_STAMP}.{os.getpid()}.tmp")
-    tmp.write_text(f"built in {time.monotonic() - start:.1f} s by pid {os.getpid()}\n")
-    os.replace(tmp, stamp)  # atomic: a reader sees no stamp or a whole one
+    partial = stamp.with_name(f"{COMPLETE_STAMP}.{os.getpid()}.tmp")
+    partial.write_text(f"built in {time.monotonic() - start:.1f} s by pid {os.getpid()}\n")
+    os.replace(partial, stamp)  # atomic: a reader sees no stamp or a whole one
     logger.warning("built kvserve's C++ kernels in %.0f s", time.monotonic() - start)
 
 
 def _kill_group(child: subprocess.Popen) -> None:
+    """Stop the worker and everything it started: SIGTERM makes it kill its whole session
+    (ninja puts each compiler in a process group of its own, so the worker's group alone would
+    orphan them); SIGKILL for the group if it does not end in 10 s."""
     try:
-        os.killpg(child.pid, signal.SIGKILL)
+        os.kill(child.pid, signal.SIGTERM)
+        child.wait(timeout=10)
     except ProcessLookupError:
         pass
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     child.wait()
 
 
