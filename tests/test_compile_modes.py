@@ -46,7 +46,7 @@ def test_background_runs_eager_then_swaps_between_requests(tiny: Path) -> None:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     engine.add_request([1, 2, 3, 4, 5], params)
     engine.step()  # a request is running now: a finished compile must wait for it to end
-    result = engine._background.wait(600) if engine._background is not None else None
+    result = engine.compiler.background.wait(600) if engine.compiler.background else None
     assert result is not None and result.compiled, result
     engine.step()
     assert engine.runner.steps is EAGER_STEPS  # still inside the running request
@@ -65,14 +65,14 @@ def test_close_stops_a_background_compile(
 ) -> None:
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))  # nothing compiled or checked yet
     llm = LLM(session=_session(tiny), num_kv_blocks=16, compile_mode="background")
-    background = llm.engine._background
+    background = llm.engine.compiler.background
     assert background is not None
     llm.engine.close()
     assert not background._thread.is_alive()
     result = background.result()
     # a cold compile takes seconds; the stop is checked before every token count
     assert result is not None and result.reason == "the engine closed while compiling"
-    assert llm.engine._background is None and llm.engine.runner.steps is EAGER_STEPS
+    assert llm.engine.compiler.background is None and llm.engine.runner.steps is EAGER_STEPS
 
 
 def test_a_passed_check_is_not_run_again(

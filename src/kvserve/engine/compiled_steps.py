@@ -22,8 +22,8 @@ the same key only compiles, without running eager beside it again.
 
 Three modes (``COMPILE_MODES``): "sync" compiles before the first step (offline jobs,
 benchmarks), "background" runs eager at once and hands the compiled step over when it is ready
-(``BackgroundCompile``; the server and chat, whose first reply should not wait), "off" never
-compiles (one-shot ``generate``, where compiling costs more than it saves).
+(engine/step_compiler.py; the server and chat, whose first reply should not wait), "off"
+never compiles (one-shot ``generate``, where compiling costs more than it saves).
 """
 
 from __future__ import annotations
@@ -246,41 +246,3 @@ def _write_verdict(path: Path, check: WarmupCheck) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(asdict(check)))
     os.replace(tmp, path)  # a reader sees no verdict or a whole one
-
-
-class BackgroundCompile:
-    """``compile_model`` in a daemon thread; the caller polls ``result()`` between steps and
-    swaps the steps in when no request is running (eager and compiled round differently in
-    bfloat16, so a request never sees both)."""
-
-    def __init__(self, model: LlamaForCausalLM) -> None:
-        self._result: CompileResult | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(model,), name="kvserve-compile", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, model: LlamaForCausalLM) -> None:
-        try:
-            result = compile_model(model, stop=self._stop)
-        except Exception as e:  # noqa: BLE001 - the engine runs on eager, as it already does
-            reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-            logger.warning("compiling the model step failed (%s); running eager", reason)
-            result = CompileResult(EAGER_STEPS, False, 0.0, reason)
-        self._result = result  # one reference assignment: atomic for the polling thread
-
-    def result(self) -> CompileResult | None:
-        """The finished compile (compiled or the eager fallback with its reason), or None."""
-        return self._result
-
-    def wait(self, timeout_s: float | None = None) -> CompileResult | None:
-        self._thread.join(timeout_s)
-        return self._result
-
-    def cancel(self, timeout_s: float = 60.0) -> None:
-        """Stop at the next token count and wait for the thread: a process must not exit
-        while the compiler runs in another thread (C++ aborts: "terminate called without an
-        active exception")."""
-        self._stop.set()
-        self._thread.join(timeout_s)

@@ -8,7 +8,6 @@ process may hold several.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -22,12 +21,7 @@ from kvserve.config import (
     CacheConfig,
     SchedulerConfig,
 )
-from kvserve.engine.compiled_steps import (
-    COMPILE_MODES,
-    BackgroundCompile,
-    CompileResult,
-    compile_model,
-)
+from kvserve.engine.compiled_steps import CompileResult
 from kvserve.engine.faults import FaultInjector, StepRecord, contain_step_failure, fail_all
 from kvserve.engine.fused_decode import FusedDecode
 from kvserve.engine.limits import RequestLimits
@@ -36,6 +30,7 @@ from kvserve.engine.output import append_token, make_output
 from kvserve.engine.prompt_logprobs import add_prompt_logprobs
 from kvserve.engine.request import Request, RequestClass, RequestOutput, RequestStatus
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.step_compiler import StepCompiler
 from kvserve.kv import persist
 from kvserve.kv.cache_dtype import CacheDtype
 from kvserve.kv.events import KVCacheEvent
@@ -80,8 +75,6 @@ class LLMEngine:
         faults: FaultInjector | None = None,
         compile_mode: str = "sync",
     ) -> None:
-        if compile_mode not in COMPILE_MODES:
-            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {compile_mode!r}")
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
         self.model_config = model_config
@@ -125,13 +118,8 @@ class LLMEngine:
             pool_tokens=self._pool_tokens(num_blocks),
         )
         # "background": eager now, the compiled step between requests once it is ready
-        self._background: BackgroundCompile | None = None
-        if compile_mode == "background" and not enforce_eager:
-            eager = compile_model(model, enforce_eager=True)
-            self.compile_result = dataclasses.replace(eager, reason="compiling in the background")
-            self._background = BackgroundCompile(model)
-        else:
-            self.compile_result = compile_model(model, enforce_eager or compile_mode == "off")
+        self.compiler = StepCompiler(model, enforce_eager, compile_mode)
+        self.compile_result = self.compiler.result
         self.fused_decode = FusedDecode.build(model, self.storage)
         self.runner = ModelRunner(
             model, self.storage, self.compile_result.steps, self.fused_decode, faults
@@ -239,31 +227,10 @@ class LLMEngine:
         params = parent.sampling_params
         children = []
         for i in range(1, params.n):
-            child = Request(
-                request_id=f"{parent.request_id}-{i}",
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling_params=params,
-                eos_token_ids=parent.eos_token_ids,
-                cache_salt=parent.cache_salt,
-                arrival_time=parent.arrival_time,
-                priority=parent.priority,
-                request_class=parent.request_class,
-                tenant=parent.tenant,
-                streaming_keep=parent.streaming_keep,
-                all_token_ids=list(parent.all_token_ids),
-                # sample i draws from seed + i: reproducible, and the same as a lone request
-                # with that seed
-                generator=make_generator(
-                    None if params.seed is None else params.seed + i, self.runner.device
-                ),
-                detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
-                prompt_logprobs=parent.prompt_logprobs,  # complete, never changed again
-                prompt_token_ranks=parent.prompt_token_ranks,
-                cache_explanation=parent.cache_explanation,  # the prompt's, shared
-                parent_id=parent.request_id,
-                sample_index=i,
-                forked=True,
-            )
+            # sample i draws from seed + i: reproducible, the same as a lone request with it
+            seed = None if params.seed is None else params.seed + i
+            detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+            child = parent.sample(i, make_generator(seed, self.runner.device), detok)
             self.scheduler.add_fork(parent, child)
             children.append(child)
         return children
@@ -295,7 +262,7 @@ class LLMEngine:
         """One step; its outputs. An exception inside it (not KeyboardInterrupt / SystemExit)
         fails only the requests that were in it (finish_reason "error", ``error`` set), after
         which the KV state is repaired and checked (engine/faults.py); the rest go on."""
-        if self._background is not None:
+        if self.compiler.background is not None:
             self._adopt_compiled()
         record = StepRecord()
         try:
@@ -308,29 +275,21 @@ class LLMEngine:
         return outputs
 
     def _adopt_compiled(self) -> None:
-        """Swap in the background compile's steps once ready, between requests only: eager
-        and compiled steps round differently in bfloat16, and no request should see both."""
-        assert self._background is not None
-        result = self._background.result()
-        if result is None or self.scheduler.running:
-            return
-        self._background = None
-        self.compile_result = result
-        self.runner.steps = result.steps
+        """Run the background compile's steps once ready, between requests only."""
+        result = self.compiler.take(requests_running=bool(self.scheduler.running))
+        if result is not None:
+            self.compile_result = result
+            self.runner.steps = result.steps
 
     def close(self) -> None:
         """Stop a background compile (waits for its current token count). Call before the
         process exits; the engine still steps afterwards, on the steps it has."""
-        if self._background is not None:
-            self._background.cancel()
-            self._background = None
+        self.compiler.close()
 
     def wait_compiled(self, timeout_s: float | None = None) -> CompileResult:
-        """Block until a background compile is done and in use (benchmarks); returns it."""
-        if self._background is not None:
-            self._background.wait(timeout_s)
-            if not self.scheduler.running:
-                self._adopt_compiled()
+        """Block until a background compile is done, and run it if no request is running."""
+        self.compiler.wait(timeout_s)
+        self._adopt_compiled()
         return self.compile_result
 
     def fail_all(self, message: str) -> list[RequestOutput]:

@@ -122,6 +122,36 @@ class Request:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
+    def sample(
+        self,
+        index: int,
+        generator: torch.Generator | None,
+        detokenizer: IncrementalDetokenizer | None,
+    ) -> Request:
+        """Sample ``index`` of this n > 1 request after its first token: the same prompt,
+        tokens so far, class and cache facts; its own generator and detokenizer."""
+        return Request(
+            request_id=f"{self.request_id}-{index}",
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=self.cache_salt,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            request_class=self.request_class,
+            tenant=self.tenant,
+            streaming_keep=self.streaming_keep,
+            all_token_ids=list(self.all_token_ids),
+            generator=generator,
+            detokenizer=detokenizer,
+            prompt_logprobs=self.prompt_logprobs,  # complete, never changed again
+            prompt_token_ranks=self.prompt_token_ranks,
+            cache_explanation=self.cache_explanation,  # the prompt's, shared
+            parent_id=self.request_id,
+            sample_index=index,
+            forked=True,
+        )
+
 
 @dataclass(slots=True)
 class RequestOutput:
