@@ -32,7 +32,8 @@
 //                qtypes their GGML type ids; bf16[j] != 0: weight j multiplies through the
 //                bf16 kernel (quant_matmul_bf16_raw), its input rounded to bfloat16 first (a
 //                bfloat16 model on an AVX-512-BF16 CPU, at row counts where that is faster);
-//                bf16[j] == 2: that kernel's AMX tiles (quant_amx.cpp)
+//                bf16[j] == 2: that kernel's AMX tiles (quant_amx.cpp); bf16[j] == 3: that
+//                kernel in its fixed order (quant_bf16.cpp), the same bits at any B
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -102,7 +103,7 @@ void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t
   if (bf16) {
     kvserve_quant::f32_to_bf16(in, B * K, xb.data());
     kvserve_quant::quant_matmul_bf16_raw(xb.data(), B, K, w.data_ptr<uint8_t>(), qtype, N, out,
-                                         bf16 == 2 ? 1 : 0);
+                                         bf16 == 2 ? 1 : 0, bf16 == 3);
   } else {
     quant_matmul_raw(in, B, K, w.data_ptr<uint8_t>(), qtype, N, isa, out);
   }
@@ -172,8 +173,9 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     check_layer_weight(qweights[4 * l + 3], qtypes[4 * l + 3], hidden, I, "down_proj", l);
   }
   for (int64_t j = 0; j < 4 * L; ++j) {
-    TORCH_CHECK(bf16[j] >= 0 && bf16[j] <= 2, "decode_layers: bf16[", j, "] is ", bf16[j],
-                "; 0 (float32 kernel), 1 (bf16 kernel) or 2 (bf16 kernel on AMX tiles)");
+    TORCH_CHECK(bf16[j] >= 0 && bf16[j] <= 3, "decode_layers: bf16[", j, "] is ", bf16[j],
+                "; 0 (float32 kernel), 1 (bf16 kernel), 2 (bf16 kernel on AMX tiles) or 3 "
+                "(bf16 kernel, fixed order)");
     TORCH_CHECK(!bf16[j] || kvserve_quant::has_avx512_bf16(), "decode_layers: weight ", j,
                 " asks for the bf16 kernel, which needs AVX-512-BF16 (this CPU lacks it)");
   }

@@ -14,6 +14,15 @@
 // bfloat16 values are exact in float32; only the summation order (and VDPBF16PS's flushing of
 // denormals) differ from the GEMM.
 //
+// The fixed order (what makes a row's result independent of M, of its place in a batch and of
+// the thread that ran it; ARCHITECTURE.md "Bitwise invariance"): per output element (activation
+// row m, weight row n) and per chunk of kChunk values of K in increasing order, ONE 16-lane
+// float32 accumulator takes VDPBF16PS over the chunk's 32-value steps in increasing k (lane i:
+// the pair k + 2i, k + 2i + 1); its lanes are summed by the reduce16 tree (vec_reduce.h); the
+// first chunk's sum is stored, each later one added. The dot tiles (any MT, any nr) and the
+// register GEMV of 1-4 rows both follow it. The panel GEMM (lane = output column) and the AMX
+// tiles sum in other orders: `fixed_order` turns them off.
+//
 // Why: a bfloat16 model's batches of 64 decodes (offline serving) went through dequantize +
 // GEMM every step, re-expanding all weights to 4 bytes each per step; the float32 kernel
 // spends twice the instructions per product.
@@ -61,43 +70,16 @@ KV_BF16 void to_bf16(const float* src, int64_t n, uint16_t* dst) {
   }
 }
 
-// out[m * ldo + r] (=, or +=) sum_k x[m * ldx + k] * w[r * ldw + k], bf16 inputs, f32 sums;
-// m < MT, r < nr <= kNR, k < kc (a multiple of 32)
-template <int MT>
-KV_BF16 void tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t kc,
-                       float* out, int64_t ldo, int nr, bool accumulate) {
-  constexpr int U = MT == 1 ? 2 : 1;  // k unroll at one row: 8 accumulators in flight
-  __m512 acc[U][MT][kNR];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MT; ++m)
-      for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 * U <= kc; k += 32 * U) {
-#pragma GCC unroll 2
-    for (int u = 0; u < U; ++u) {
-      __m512bh wv[kNR];
-      for (int r = 0; r < kNR; ++r)
-        wv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * ldw + k + 32 * u));
-      for (int m = 0; m < MT; ++m) {
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k + 32 * u));
-        for (int r = 0; r < kNR; ++r) acc[u][m][r] = _mm512_dpbf16_ps(acc[u][m][r], xv, wv[r]);
-      }
-    }
-  }
-  for (; k < kc; k += 32) {  // kc % 64 == 32 at MT == 1
-    __m512bh wv[kNR];
-    for (int r = 0; r < kNR; ++r)
-      wv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * ldw + k));
-    for (int m = 0; m < MT; ++m) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k));
-      for (int r = 0; r < kNR; ++r) acc[0][m][r] = _mm512_dpbf16_ps(acc[0][m][r], xv, wv[r]);
-    }
-  }
-  if constexpr (MT == 4 && kNR == 4) {
-    if (nr == kNR) {  // a full 4 x 4 tile: the 16 sums by one transpose-add tree (at
-      // K = 576, 16 _mm512_reduce_add_ps were a third as many instructions as the 288 products)
-      // lane 4m + r: activation row m, weight row r
-      const __m512 sums = kvserve_vec::reduce16(acc[0][0]);
+// out[m * ldo + r] (=, or += when accumulate) the sum of acc[m][r]'s 16 lanes, m < MT,
+// r < nr: all through one reduce16 tree when they fill it (lane 4m + r), else hsum16 each (the
+// same order: vec_reduce.h), so the sums are the same bits either way.
+template <int MT, int NR>
+KV_BF16 inline void store_sums(const __m512 (&acc)[MT][NR], float* out, int64_t ldo, int nr,
+                               bool accumulate) {
+  if constexpr (MT == 4 && NR == 4) {
+    if (nr == 4) {  // (at K = 576, 16 _mm512_reduce_add_ps were a third as many instructions
+                    // as the 288 products)
+      const __m512 sums = kvserve_vec::reduce16(acc[0]);
       for (int m = 0; m < MT; ++m) {
         __m128 v = m == 0   ? _mm512_castps512_ps128(sums)
                    : m == 1 ? _mm512_extractf32x4_ps(sums, 1)
@@ -111,11 +93,32 @@ KV_BF16 void tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_
   }
   for (int m = 0; m < MT; ++m)
     for (int r = 0; r < nr; ++r) {
-      __m512 a = acc[0][m][r];
-      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][m][r]);
-      const float s = _mm512_reduce_add_ps(a);
+      const float s = kvserve_vec::hsum16(acc[m][r]);
       out[m * ldo + r] = accumulate ? out[m * ldo + r] + s : s;
     }
+}
+
+// out[m * ldo + r] (=, or +=) sum_k x[m * ldx + k] * w[r * ldw + k], bf16 inputs, f32 sums;
+// m < MT, r < nr <= kNR, k < kc (a multiple of 32). The fixed order (top of the file): one
+// accumulator per (m, r) over the chunk in increasing k, summed by the reduce16 tree whatever
+// MT and nr (a 1-row tile once had two interleaved accumulators, and partial tiles
+// _mm512_reduce_add_ps: a row's result then depended on M mod 4).
+template <int MT>
+KV_BF16 void tile_bf16(const uint16_t* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t kc,
+                       float* out, int64_t ldo, int nr, bool accumulate) {
+  __m512 acc[MT][kNR];
+  for (int m = 0; m < MT; ++m)
+    for (int r = 0; r < kNR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; k += 32) {
+    __m512bh wv[kNR];
+    for (int r = 0; r < kNR; ++r)
+      wv[r] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * ldw + k));
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + k));
+      for (int r = 0; r < kNR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+  store_sums<MT, kNR>(acc, out, ldo, nr, accumulate);
 }
 
 // ---- many rows: outer-product GEMM over bf16 weight panels (as quant_gemm.cpp for float32)
@@ -198,6 +201,90 @@ void gemm_bf16(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, cons
                        });
 }
 
+}  // namespace
+
+// ---- the fixed order at 1-4 rows: weights decoded in registers (quant_values16.h: the
+// dequantizer's own float operations, so the same float32 values as the dequantize-into-L1
+// tiles), rounded to bfloat16 by the same VCVTNE2PS2BF16 pairing as to_bf16, multiplied by
+// VDPBF16PS into one accumulator per element, flushed per kChunk values: the tiles' sums bit
+// for bit, with batch-1 decode streaming each weight once and never storing it (the tiles'
+// dequantize-into-L1 cost ~10% of the default model's decode-1).
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")
+#endif
+namespace bf16_values16 {
+inline __m512 cvt16(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+#include "quant_values16.h"
+
+// out[m * ldo + r] = x rows m < MR (ldx apart) . weight rows r < NR (row_bytes apart), K values
+template <typename Fmt, int NR, int MR>
+void gemv_rows(const uint8_t* w, int64_t row_bytes, const uint16_t* x, int64_t ldx, int64_t K,
+               float* out, int64_t ldo) {
+  constexpr int64_t kPerChunk = kChunk / 32;  // blocks per chunk, as the tiles flush
+  const int64_t nb = K / 32;
+  for (int64_t c0 = 0; c0 < nb; c0 += kPerChunk) {
+    const int64_t c1 = std::min(nb, c0 + kPerChunk);
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t b = c0; b < c1; ++b) {
+      __m512bh xv[MR];
+      for (int m = 0; m < MR; ++m)
+        xv[m] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * ldx + 32 * b));
+#pragma GCC unroll 4
+      for (int r = 0; r < NR; ++r) {
+        __m512 v[2];
+        Fmt::get(w + r * row_bytes + b * Fmt::kBytes, v);
+        const __m512bh wv = _mm512_cvtne2ps_pbh(v[1], v[0]);
+        for (int m = 0; m < MR; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv[m], wv);
+      }
+    }
+    store_sums<MR, NR>(acc, out, ldo, NR, c0 > 0);
+  }
+}
+
+template <typename Fmt, int MR>
+void gemv_nr(const uint8_t* w, int64_t row_bytes, int nr, const uint16_t* x, int64_t K,
+             float* out, int64_t ldo) {
+  switch (nr) {
+    case 4: return gemv_rows<Fmt, 4, MR>(w, row_bytes, x, K, K, out, ldo);
+    case 3: return gemv_rows<Fmt, 3, MR>(w, row_bytes, x, K, K, out, ldo);
+    case 2: return gemv_rows<Fmt, 2, MR>(w, row_bytes, x, K, K, out, ldo);
+    default: return gemv_rows<Fmt, 1, MR>(w, row_bytes, x, K, K, out, ldo);
+  }
+}
+
+// nr <= kNR weight rows x M <= 4 activation rows
+template <typename Fmt>
+void gemv(const uint8_t* w, int64_t row_bytes, int nr, const uint16_t* x, int64_t M, int64_t K,
+          float* out, int64_t ldo) {
+  switch (M) {
+    case 4: return gemv_nr<Fmt, 4>(w, row_bytes, nr, x, K, out, ldo);
+    case 3: return gemv_nr<Fmt, 3>(w, row_bytes, nr, x, K, out, ldo);
+    case 2: return gemv_nr<Fmt, 2>(w, row_bytes, nr, x, K, out, ldo);
+    default: return gemv_nr<Fmt, 1>(w, row_bytes, nr, x, K, out, ldo);
+  }
+}
+}  // namespace bf16_values16
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+using GemvBf16 = void (*)(const uint8_t*, int64_t, int, const uint16_t*, int64_t, int64_t,
+                          float*, int64_t);
+constexpr int64_t kMaxGemvRowsBf16 = 4;
+// per Format::index (quant_kernels.h): the 32-value formats with register decoders
+constexpr GemvBf16 kGemvBf16[kNumFormats] = {
+    bf16_values16::gemv<bf16_values16::Q4_0Values16>, bf16_values16::gemv<bf16_values16::Q4_1Values16>,
+    nullptr, nullptr, bf16_values16::gemv<bf16_values16::Q8_0Values16>, nullptr, nullptr};
+
 using TileBf16 = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*,
                           int64_t, int, bool);
 constexpr int kMaxMTBf16 = 4;
@@ -219,16 +306,29 @@ void f32_to_bf16(const float* src, int64_t n, uint16_t* dst) {
 }
 
 void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp,
-                           int64_t qtype, int64_t N, float* op, int64_t amx_min_rows) {
+                           int64_t qtype, int64_t N, float* op, int64_t amx_min_rows,
+                           bool fixed_order) {
 #if defined(__x86_64__)
-  if (amx_min_rows > 0 && M >= amx_min_rows && quant_matmul_amx_raw(xp, M, K, wp, qtype, N, op))
+  if (!fixed_order && amx_min_rows > 0 && M >= amx_min_rows &&
+      quant_matmul_amx_raw(xp, M, K, wp, qtype, N, op))
     return;
   const Format& f = *find_format(qtype);
   const IsaKernels& ik = isa_kernels(kAvx512);
-  if (M >= kGemmMinRowsBf16) return gemm_bf16(xp, M, K, wp, f, ik, N, op);
+  if (!fixed_order && M >= kGemmMinRowsBf16) return gemm_bf16(xp, M, K, wp, f, ik, N, op);
   const int64_t row_bytes = K / f.block_elems * f.block_bytes;
   const int64_t ntiles = (N + kNR - 1) / kNR;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (K * kNR));
+  const GemvBf16 gemv = kGemvBf16[f.index];
+  if (M <= kMaxGemvRowsBf16 && gemv != nullptr && K % 32 == 0) {  // decodes: in registers
+    at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kNR;
+        gemv(wp + n0 * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(kNR, N - n0)),
+             xp, M, K, op + n0, N);
+      }
+    });
+    return;
+  }
   at::parallel_for(0, ntiles, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float wf[kChunk];              // one row's chunk, float32
     alignas(64) uint16_t wbuf[kNR * kChunk];  // (kNR, kChunk) bfloat16, 8 KiB
@@ -262,7 +362,7 @@ void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8
 namespace {
 
 at::Tensor quant_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight, int64_t qtype,
-                                 int64_t out_features, int64_t amx_min_rows) {
+                                 int64_t out_features, int64_t amx_min_rows, bool fixed_order) {
   TORCH_CHECK(has_avx512_bf16(), "kvserve: quant_matmul_bf16 needs AVX-512-BF16, which this "
               "CPU lacks (use quant_matmul with float32 activations)");
   TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "kvserve: CPU tensors only");
@@ -276,7 +376,8 @@ at::Tensor quant_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& qweight,
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   quant_matmul_bf16_raw(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K,
-                        w.data_ptr<uint8_t>(), qtype, N, out.data_ptr<float>(), amx_min_rows);
+                        w.data_ptr<uint8_t>(), qtype, N, out.data_ptr<float>(), amx_min_rows,
+                        fixed_order);
   return out;
 }
 
@@ -322,7 +423,7 @@ bool cpu_has_amx_bf16() { return has_amx_bf16(); }
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def(
       "quant_matmul_bf16(Tensor x, Tensor qweight, int qtype, int out_features, "
-      "int amx_min_rows=0) -> Tensor");
+      "int amx_min_rows=0, bool fixed_order=False) -> Tensor");
   m.def("dequantize_bf16(Tensor qweight, int qtype, int out_features, int in_features) -> "
         "Tensor");
   m.def("cpu_has_avx512_bf16() -> bool", &kvserve_quant::cpu_has_avx512_bf16);

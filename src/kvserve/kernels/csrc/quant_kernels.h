@@ -143,9 +143,12 @@ bool has_avx512_bf16();
 
 // out (M, N) float32 = x (M, K) bfloat16 @ bf16(dequantize(w)).T (quant_bf16.cpp). No checks:
 // the caller has validated shapes and qtype, and has_avx512_bf16(). From amx_min_rows rows
-// on (0: never) the AMX tiles of quant_amx.cpp do it where the CPU has them.
+// on (0: never) the AMX tiles of quant_amx.cpp do it where the CPU has them. fixed_order:
+// every output element summed in the one order of quant_bf16.cpp's top comment at every M
+// (no AMX tiles, no panel GEMM, which sum in others): a row's result does not depend on M.
 void quant_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
-                           int64_t qtype, int64_t N, float* out, int64_t amx_min_rows = 0);
+                           int64_t qtype, int64_t N, float* out, int64_t amx_min_rows = 0,
+                           bool fixed_order = false);
 
 // True on an x86-64 Linux CPU with AMX-TILE + AMX-BF16 (and AVX-512-BF16) whose kernel
 // granted this process the tile state.
