@@ -117,10 +117,12 @@ class LLMEngine:
             has_tokenizer=tokenizer is not None,
             pool_tokens=self._pool_tokens(num_blocks),
         )
-        # "background": eager now, the compiled step between requests once it is ready
-        self.compiler = StepCompiler(model, enforce_eager, compile_mode)
-        self.compile_result = self.compiler.result
         self.fused_decode = FusedDecode.build(model, self.storage)
+        # "background": eager now, the compiled step between requests once it is ready. When
+        # every step runs fused, no layer step is ever called: nothing to compile
+        every_step = self.fused_decode is not None and self.fused_decode.every_step
+        self.compiler = StepCompiler(model, enforce_eager or every_step, compile_mode)
+        self.compile_result = self.compiler.result
         self.runner = ModelRunner(
             model, self.storage, self.compile_result.steps, self.fused_decode, faults
         )

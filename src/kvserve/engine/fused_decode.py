@@ -25,6 +25,7 @@ tests/test_fused_decode.py compares the two.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -38,7 +39,7 @@ from kvserve.models.quantized_linear import QuantizedLinear
 logger = logging.getLogger(__name__)
 
 # decode_layers' per-weight flag for each QuantPolicy path (any other: 0, the float32 kernel)
-KERNEL_FLAGS = {"bf16 kernel": 1, "amx kernel": 2}
+KERNEL_FLAGS = {"bf16 kernel": 1, "amx kernel": 2, "bf16 kernel, fixed order": 3}
 
 
 class FusedDecode:
@@ -61,10 +62,16 @@ class FusedDecode:
         self.policies = [q.policy for group in layers for q in group]
         # a bfloat16 model's weights may take the bf16 kernel above the float32 one's rows
         self.bf16 = model.dtype == torch.bfloat16
+        # every weight in the bf16 kernel's fixed order: every step runs here, prefill and
+        # mixed ones too, so a token's numbers are the same in any step (ARCHITECTURE.md
+        # "Bitwise invariance"); else all-decode steps up to the kernels' row thresholds
+        self.every_step = self.bf16 and all(p.fixed_order for p in self.policies)
         self.max_rows = min(
             max(p.kernel_max_rows, p.bf16_kernel_max_rows if self.bf16 else 0)
             for p in self.policies
         )
+        if self.every_step:
+            self.max_rows = 1 << 62
         self.isa = layers[0][0].policy.isa
         # rows -> per weight: 0 the float32 kernel, 1 the bf16 kernel, 2 the bf16 one on AMX
         self._bf16_flags: dict[int, list[int]] = {}
@@ -84,11 +91,15 @@ class FusedDecode:
         if fused.max_rows < 1:
             logger.debug("fused decode step off: the quantized kernel never wins here")
             return None
-        logger.info(
-            "decode steps of up to %d requests: all layers in one kernel call "
-            "(kvserve::decode_layers)",
-            fused.max_rows,
-        )
+        if fused.every_step:
+            logger.info("every step (prefill, decode, mixed): all layers in one kernel call "
+                        "(kvserve::decode_layers), matmuls in the bf16 kernel's fixed order")  # fmt: skip
+        else:
+            logger.info(
+                "decode steps of up to %d requests: all layers in one kernel call "
+                "(kvserve::decode_layers)",
+                fused.max_rows,
+            )
         return fused
 
     @staticmethod
@@ -123,13 +134,16 @@ class FusedDecode:
         return ""
 
     def fits(self, md: AttentionMetadata) -> bool:
-        """True when this step can run fused: all decodes, within the kernel's row range."""
+        """True when this step can run fused: any step in the fixed order, else all decodes
+        within the kernel's row range."""
+        if self.every_step:
+            return True
         return md.num_decodes == md.num_reqs and md.num_reqs <= self.max_rows and load_kernels()
 
     def __call__(
         self,
-        input_ids: torch.Tensor,  # (B,) one token per request
-        positions: torch.Tensor,  # (B,)
+        input_ids: torch.Tensor,  # (T,) one per decode, a chunk per prefill (runner's order)
+        positions: torch.Tensor,  # (T,)
         md: AttentionMetadata,
         storage: KVCacheStorage,
     ) -> torch.Tensor:
@@ -140,16 +154,27 @@ class FusedDecode:
         if flags is None:  # the path each weight takes at this many rows (as quant_linear)
             flags = [KERNEL_FLAGS.get(p.path(rows, self.bf16), 0) for p in self.policies]
             self._bf16_flags[rows] = flags
+        tables, seq_lens = md.block_tables, md.seq_lens_tensor
+        if rows != md.num_reqs:
+            # prefill tokens: each row is one query, over its request's blocks up to and
+            # including its own position (its K/V are written before any row attends), so a
+            # token's attention is the decode kernel's whatever the step: (T, width), (T,)
+            counts = torch.tensor(
+                [b - a for a, b in itertools.pairwise(md.query_start_loc)],
+                dtype=torch.long,
+            )
+            req_of = torch.repeat_interleave(torch.arange(md.num_reqs), counts, output_size=rows)
+            tables, seq_lens = tables[req_of], positions + 1
         x = inner.embed_tokens(input_ids).float()
-        cos, sin = inner.rotary_emb(positions, torch.float32)  # (B, 1, head_dim)
+        cos, sin = inner.rotary_emb(positions, torch.float32)  # (T, 1, head_dim)
         x = torch.ops.kvserve.decode_layers(
             x,
             cos.view(cos.shape[0], -1),
             sin.view(sin.shape[0], -1),
             storage.kv,
             md.slot_mapping,
-            md.block_tables,
-            md.seq_lens_tensor,
+            tables,
+            seq_lens,
             self.norms,
             self.qweights,
             self.qtypes,

@@ -9,6 +9,9 @@
   for rows above ``kernel_max_rows`` up to ``bf16_kernel_max_rows``;
 - ``amx kernel``: the same arithmetic through AMX tiles (CPUs with AMX-BF16), for the rows
   of the bf16 kernel's range from ``amx_min_rows`` on;
+- ``bf16 kernel, fixed order`` (``fixed_order``, a bfloat16 model on a CPU with AVX-512-BF16,
+  the default): the bf16 kernel at every row count, each output summed in one order whatever
+  the row count, so a request's numbers do not depend on its batch (ARCHITECTURE.md);
 - ``dequant+matmul``: the C++ dequantizer into a float32 weight (a bfloat16 model on a CPU
   with native bfloat16: straight into a bf16 weight, ``dequantize_bf16``), then ``F.linear``
   (oneDNN);
@@ -45,6 +48,11 @@ class QuantPolicy:
     # rows in [amx_min_rows, bf16_kernel_max_rows] of the bf16 kernel run through AMX tiles
     # (set only where the CPU has AMX-BF16, measured); 0: never
     amx_min_rows: int = 0
+    # every row count takes the bf16 kernel in its fixed order (kernels/csrc/quant_bf16.cpp):
+    # a row's result does not depend on how many rows share the call (ARCHITECTURE.md
+    # "Bitwise invariance"); the thresholds above are then unused. Set for a bfloat16 model on
+    # a CPU with AVX-512-BF16.
+    fixed_order: bool = False
 
     def __post_init__(self) -> None:
         if self.isa not in (-1, 0, 1, 2):
@@ -62,10 +70,15 @@ class QuantPolicy:
                 f"{self.amx_min_rows} (bf16_kernel_max_rows={self.bf16_kernel_max_rows})"
             )
 
+        if self.fixed_order and not (self.use_kernels and self.native_bf16):
+            raise ValueError("fixed_order needs the kernels (use_kernels) and native_bf16")
+
     def path(self, rows: int, bf16: bool = False) -> str:
         """The path ``rows`` activation rows take (``bf16``: the activations are bfloat16)."""
         if not self.use_kernels:
             return "reference"
+        if self.fixed_order:
+            return "bf16 kernel, fixed order"
         if rows <= self.kernel_max_rows:
             return "kernel"
         if bf16 and rows <= self.bf16_kernel_max_rows:
@@ -83,6 +96,11 @@ def quant_linear(
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # (M, K)
     rows = x2.shape[0]
+    if policy.fixed_order:  # every row count: one summation order (a float32 x is rounded)
+        y = torch.ops.kvserve.quant_matmul_bf16(
+            x2.to(torch.bfloat16).contiguous(), qweight, qtype, out_features, 0, True
+        )
+        return y.to(x.dtype).view(*x.shape[:-1], out_features)
     if policy.use_kernels and rows <= policy.kernel_max_rows:  # the decode hot path
         y = torch.ops.kvserve.quant_matmul(
             x2.float().contiguous(), qweight, qtype, out_features, policy.isa

@@ -78,6 +78,8 @@ def describe_policy(policy: QuantPolicy) -> str:
     """One line for ``kvserve info`` and the load log: which path takes which row counts."""
     if not policy.use_kernels:
         return "reference (PyTorch dequantize + matmul)"
+    if policy.fixed_order:
+        return "bf16 kernel (avx512_bf16), fixed order at every row count"
     isa = ISA_NAMES[policy.isa if policy.isa >= 0 else 2]
     text = f"kernel ({isa}) up to {policy.kernel_max_rows} rows"
     if policy.bf16_kernel_max_rows > policy.kernel_max_rows:
@@ -133,6 +135,13 @@ def _policies(
         bf16 = features.native_bf16 and dtype == torch.bfloat16
         # the bf16 kernel needs AVX-512-BF16 itself (AMX-only CPUs have it too, in practice)
         bf16_kernel = bf16 and features.avx512_bf16 and features.avx512
+        if bf16_kernel:
+            # every row count through the bf16 kernel in its fixed order: the same bits for a
+            # row in any batch or chunk (ARCHITECTURE.md "Bitwise invariance"); no threshold
+            # to measure
+            out[key] = QuantPolicy(use_kernels=True, isa=isa, kernel_max_rows=0,
+                                   native_bf16=True, fixed_order=True)  # fmt: skip
+            continue
         amx = bf16_kernel and features.amx_bf16 and torch.ops.kvserve.cpu_has_amx_bf16()
         args = {"qtype": q.qtype, "shape": list(q.shape), "isa": isa, "bf16": bf16}
         args |= {"bf16_kernel": bf16_kernel, "amx": amx}
