@@ -126,9 +126,11 @@ class EngineConfig:
     device: str | None = None  # None: cuda if available, else cpu
     quantization: str | None = None  # "q8_0" | "q4_0": quantize float weights at load
     enforce_eager: bool = False  # True: no torch.compile of the model step
-    # "sync" | "background" | "off" (engine/compiled_steps.py); the server compiles in the
-    # background so that /health and the first reply do not wait for it
-    compile_mode: str = "background"
+    # "sync" | "background" | "off" (engine/compiled_steps.py). "off" by default: a compiled
+    # step serves only when bitwise equal to eager (ARCHITECTURE.md "Bitwise invariance"),
+    # which inductor's fusions do not give (float32 max logit diff ~1e-3, bfloat16 ~2.5), so
+    # compiling would only spend a start's CPU to run eager anyway
+    compile_mode: str = "off"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False  # progress bar while loading weights

@@ -73,7 +73,7 @@ class LLMEngine:
         eos_token_ids: Sequence[int] = (),
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
-        compile_mode: str = "sync",
+        compile_mode: str = "off",
     ) -> None:
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -161,7 +161,7 @@ class LLMEngine:
         scheduler: SchedulerConfig | None = None,
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
-        compile_mode: str = "sync",
+        compile_mode: str = "off",
     ) -> LLMEngine:
         return cls(
             session.model,

@@ -49,7 +49,7 @@ class LLM:
         session: ModelSession | None = None,
         show_progress: bool = False,
         enforce_eager: bool = False,
-        compile_mode: str = "sync",
+        compile_mode: str = "off",
     ) -> None:
         self.session = session or ModelSession.open(
             model, dtype, device, show_progress, quantization
