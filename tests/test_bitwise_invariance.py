@@ -1,0 +1,223 @@
+"""Bitwise invariance on the default path (ARCHITECTURE.md "Bitwise invariance"): a request's
+token ids and logprob bits do not depend on its batch, its prefill chunking, a prefix-cache hit
+or a preemption, and a seeded sample draws the same tokens in all of them.
+
+The default model at ``--dtype auto``: bfloat16 on a CPU with AVX-512-BF16, where every step
+runs ``kvserve::decode_layers`` with every matmul in the bf16 kernel's fixed order. Where the
+default path is not that one (float32 on an AVX2-only CPU, no C++ kernels) the engine tests
+skip, saying so: that path is not invariant yet (its float32 kernels pick a summation order by
+row count)."""
+
+from __future__ import annotations
+
+import random
+from importlib import resources
+
+import pytest
+import torch
+
+from kvserve.default_model import default_model_path
+from kvserve.engine.llm import LLM
+from kvserve.kernels.build import load_kernels
+from kvserve.sampling import SamplingParams
+
+MAX_TOKENS = 6
+
+
+def _invariant_default_path() -> bool:
+    return load_kernels() and bool(torch.ops.kvserve.cpu_has_avx512_bf16())
+
+
+needs_invariant_path = pytest.mark.skipif(
+    not _invariant_default_path(),
+    reason="the default path here is float32 kernels (no AVX-512-BF16) or PyTorch: not "
+    "bitwise invariant yet",
+)
+
+
+def _llm(**kwargs) -> LLM:
+    return LLM(str(default_model_path()), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def prose_ids() -> list[int]:
+    text = resources.files("kvserve.data").joinpath("eval_prose.txt").read_text()
+    return _llm(num_kv_blocks=64).engine.tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def prompt(prose_ids: list[int]) -> list[int]:
+    return prose_ids[:150]
+
+
+def _params(prompt_logprobs: bool = True, **kwargs) -> SamplingParams:
+    base = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 3, "ignore_eos": True}
+    if prompt_logprobs:
+        base["prompt_logprobs"] = 1
+    return SamplingParams(**(base | kwargs))
+
+
+def _numbers(out) -> tuple:
+    """What must be identical: ids, every logprob's bits (floats compare exactly), and the
+    prompt's logprobs where computed."""
+    return out.token_ids, out.logprobs, out.prompt_logprobs
+
+
+@pytest.fixture(scope="module")
+def alone(prompt: list[int]) -> tuple:
+    llm = _llm(enable_prefix_caching=False, num_kv_blocks=64)
+    (out,) = llm.generate([prompt], _params(), use_tqdm=False)
+    return _numbers(out)
+
+
+@needs_invariant_path
+def test_every_step_runs_the_fixed_order_kernel() -> None:
+    fused = _llm(num_kv_blocks=16).engine.fused_decode
+    assert fused is not None and fused.every_step
+
+
+@needs_invariant_path
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_prefill_gives_the_same_bits(prompt: list[int], alone: tuple, chunk: int) -> None:
+    llm = _llm(enable_prefix_caching=False, num_kv_blocks=64, max_num_batched_tokens=chunk,
+               max_num_seqs=1)  # fmt: skip
+    (out,) = llm.generate([prompt], _params(), use_tqdm=False)
+    assert _numbers(out) == alone
+
+
+@needs_invariant_path
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_with_others_gives_the_same_bits(
+    prompt: list[int], prose_ids: list[int], alone: tuple, seed: int
+) -> None:
+    rng = random.Random(seed)
+    others = []
+    for _ in range(rng.randint(2, 7)):
+        start = rng.randrange(200, len(prose_ids) - 300)
+        others.append(prose_ids[start : start + rng.randint(1, 260)])
+    at = rng.randint(0, len(others))
+    prompts = others[:at] + [prompt] + others[at:]
+    params = [_params(temperature=1.0, seed=rng.randint(0, 99)) for _ in others]
+    params.insert(at, _params())
+    chunk = rng.choice([32, 100, 2048])
+    llm = _llm(enable_prefix_caching=False, num_kv_blocks=256, max_num_batched_tokens=chunk)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert _numbers(outs[at]) == alone
+
+
+@needs_invariant_path
+@pytest.mark.parametrize("shared", [16, 64, 144])
+def test_a_prefix_hit_gives_the_same_bits(
+    prompt: list[int], prose_ids: list[int], shared: int
+) -> None:
+    # prompt logprobs need every position computed: the hit is checked on the output's
+    # numbers (the last prompt position's logits and every decode's)
+    cold = _llm(enable_prefix_caching=False, num_kv_blocks=64)
+    (want,) = cold.generate([prompt], _params(prompt_logprobs=False), use_tqdm=False)
+    llm = _llm(num_kv_blocks=64)
+    llm.generate([prompt[:shared] + prose_ids[600:640]], _params(False), use_tqdm=False)
+    (got,) = llm.generate([prompt], _params(prompt_logprobs=False), use_tqdm=False)
+    assert got.num_cached_tokens == shared
+    assert _numbers(got) == _numbers(want)
+
+
+@needs_invariant_path
+def test_preemption_and_recompute_give_the_same_bits(
+    prompt: list[int], prose_ids: list[int], alone: tuple
+) -> None:
+    # 24 blocks of 16 tokens: two 150-token prompts (10 blocks each) start, and growing by 80
+    # (15 blocks each) one of them is preempted and recomputed later
+    prompts = [prompt] + [prose_ids[300 * i : 300 * i + 150] for i in range(1, 4)]
+    llm = _llm(enable_prefix_caching=False, num_kv_blocks=24)
+    outs = llm.generate(prompts, [_params(max_tokens=80) for _ in prompts], use_tqdm=False)
+    assert sum(o.num_preemptions for o in outs) > 0
+    (ref,) = _llm(enable_prefix_caching=False, num_kv_blocks=64).generate(
+        [prompt], _params(max_tokens=80), use_tqdm=False
+    )
+    assert _numbers(outs[0]) == _numbers(ref)
+
+
+@needs_invariant_path
+def test_a_seeded_sample_draws_the_same_whatever_the_cache_and_batch(
+    prompt: list[int], prose_ids: list[int]
+) -> None:
+    sampled = _params(prompt_logprobs=False, temperature=1.0, top_p=0.9, seed=1234)
+    (want,) = _llm(enable_prefix_caching=False, num_kv_blocks=64).generate(
+        [prompt], sampled, use_tqdm=False
+    )
+    llm = _llm(num_kv_blocks=128)
+    llm.generate([prompt[:100]], _params(False), use_tqdm=False)  # a hit of 96 tokens
+    outs = llm.generate([prose_ids[500:620], prompt], [_params(False), sampled], use_tqdm=False)
+    assert outs[1].num_cached_tokens == 96
+    assert _numbers(outs[1]) == _numbers(want)
+
+
+@needs_invariant_path
+def test_n_samples_equal_n_separately_seeded_requests(prompt: list[int]) -> None:
+    llm = _llm(num_kv_blocks=64)
+    params = _params(prompt_logprobs=False, temperature=1.0, seed=7)
+    together = llm.generate([prompt], _params(False, temperature=1.0, seed=7, n=3), use_tqdm=False)
+    for i, out in enumerate(together):  # sample i draws from seed + i
+        alone_llm = _llm(enable_prefix_caching=False, num_kv_blocks=64)
+        (single,) = alone_llm.generate(
+            [prompt], SamplingParams(**{**_asdict(params), "seed": 7 + i}), use_tqdm=False
+        )
+        assert _numbers(out) == _numbers(single)
+
+
+def _asdict(params: SamplingParams) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(params, f.name) for f in fields(params)}
+
+
+@pytest.mark.skipif(not _invariant_default_path(), reason="needs AVX-512-BF16 and the kernels")
+@pytest.mark.parametrize("qtype", [2, 3, 6, 8])  # Q4_0, Q4_1 (register GEMV), Q5_0, Q8_0
+def test_fixed_order_kernel_gives_a_row_the_same_bits_at_any_row_count(qtype: int) -> None:
+    from kvserve.kernels.quant_ref import quantize
+
+    torch.manual_seed(qtype)
+    n, k = 70, 1536  # a tail tile of weight rows (70 % 4 == 2) and two K chunks of 1024
+    qweight = quantize(torch.randn(n, k), qtype)
+    x = torch.randn(2049, k).to(torch.bfloat16)
+
+    def mm(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvserve.quant_matmul_bf16(rows.contiguous(), qweight, qtype, n, 0, True)
+
+    alone = torch.cat([mm(x[i : i + 1]) for i in range(0, 2049, 97)])
+    for m in (1, 3, 17, 64, 129, 512, 2049):
+        got = mm(x[:m])
+        for j, i in enumerate(range(0, 2049, 97)):
+            if i < m:
+                assert torch.equal(got[i], alone[j]), (m, i)
+
+
+@needs_invariant_path
+def test_same_text_through_the_server_with_the_cache_on_off_and_hit(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The lesson's check ("same text? True") through `kvserve serve`'s defaults: a completion
+    of the first 1,500 characters of a text, temperature 0, 24 tokens, computed cold, then as a
+    prefix hit, then on a server with the prefix cache off; the texts and logprobs equal."""
+    from server_helpers import start_server
+
+    text = resources.files("kvserve.data").joinpath("eval_prose.txt").read_text()[:1500]
+    body = {"model": "tiny-chat", "prompt": text, "max_tokens": 24, "temperature": 0}
+    body |= {"logprobs": 2}
+    results = []
+    for args in ((), ("--no-prefix-caching",)):
+        server = start_server(default_model_path(), tmp_path_factory.mktemp("serve"), *args)
+        try:
+            with server.http() as http:
+                for _ in range(2 if not args else 1):
+                    r = http.post("/v1/completions", json=body, timeout=120)
+                    assert r.status_code == 200, r.text
+                    results.append(r.json())
+        finally:
+            server.stop()
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in results]
+    assert cached[0] == 0 and cached[1] > 256 and cached[2] == 0, cached
+    first = results[0]["choices"][0]
+    for r in results[1:]:
+        assert r["choices"][0]["text"] == first["text"]
+        assert r["choices"][0]["logprobs"] == first["logprobs"]
