@@ -1,12 +1,12 @@
-"""Bitwise invariance on the default path (ARCHITECTURE.md "Bitwise invariance"): a request's
-token ids and logprob bits do not depend on its batch, its prefill chunking, a prefix-cache hit
-or a preemption, and a seeded sample draws the same tokens in all of them.
+"""Batch-invariant mode (``batch_invariant=True``, ``--batch-invariant``; ARCHITECTURE.md
+"Bitwise invariance"): a request's token ids and logprob bits do not depend on its batch, its
+prefill chunking, a prefix-cache hit or a preemption, and a seeded sample draws the same tokens
+in all of them.
 
 The default model at ``--dtype auto``: bfloat16 on a CPU with AVX-512-BF16, where every step
-runs ``kvserve::decode_layers`` with every matmul in the bf16 kernel's fixed order. Where the
-default path is not that one (float32 on an AVX2-only CPU, no C++ kernels) the engine tests
-skip, saying so: that path is not invariant yet (its float32 kernels pick a summation order by
-row count)."""
+then runs ``kvserve::decode_layers`` with every matmul in the bf16 kernel's fixed order. Where
+the mode is not available (float32 on an AVX2-only CPU, no C++ kernels) the engine tests skip,
+saying so, and asking for it is a clear error (tested everywhere)."""
 
 from __future__ import annotations
 
@@ -30,19 +30,24 @@ def _invariant_default_path() -> bool:
 
 needs_invariant_path = pytest.mark.skipif(
     not _invariant_default_path(),
-    reason="the default path here is float32 kernels (no AVX-512-BF16) or PyTorch: not "
-    "bitwise invariant yet",
+    reason="batch-invariant mode needs AVX-512-BF16 and the C++ kernels (this CPU's default "
+    "path is the float32 kernels or PyTorch, not invariant yet)",
 )
 
 
 def _llm(**kwargs) -> LLM:
-    return LLM(str(default_model_path()), **kwargs)
+    return LLM(str(default_model_path()), batch_invariant=True, **kwargs)
+
+
+def test_asking_where_it_cannot_run_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="batch_invariant is not available here: .*bfloat16"):
+        LLM(str(default_model_path()), dtype="float32", num_kv_blocks=16, batch_invariant=True)
 
 
 @pytest.fixture(scope="module")
 def prose_ids() -> list[int]:
     text = resources.files("kvserve.data").joinpath("eval_prose.txt").read_text()
-    return _llm(num_kv_blocks=64).engine.tokenizer.encode(text)
+    return LLM(str(default_model_path()), num_kv_blocks=16).engine.tokenizer.encode(text)
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +201,7 @@ def test_fixed_order_kernel_gives_a_row_the_same_bits_at_any_row_count(qtype: in
 def test_same_text_through_the_server_with_the_cache_on_off_and_hit(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """The lesson's check ("same text? True") through `kvserve serve`'s defaults: a completion
+    """The lesson's check ("same text? True") through `kvserve serve --batch-invariant`: a completion
     of the first 1,500 characters of a text, temperature 0, 24 tokens, computed cold, then as a
     prefix hit, then on a server with the prefix cache off; the texts and logprobs equal."""
     from server_helpers import start_server
@@ -206,10 +211,11 @@ def test_same_text_through_the_server_with_the_cache_on_off_and_hit(
     body |= {"logprobs": 2}
     results = []
     for args in ((), ("--no-prefix-caching",)):
-        server = start_server(default_model_path(), tmp_path_factory.mktemp("serve"), *args)
+        log_dir = tmp_path_factory.mktemp("serve")
+        server = start_server(default_model_path(), log_dir, "--batch-invariant", *args)
         try:
             with server.http() as http:
-                for _ in range(2 if not args else 1):
+                for _ in range(1 if args else 2):
                     r = http.post("/v1/completions", json=body, timeout=120)
                     assert r.status_code == 200, r.text
                     results.append(r.json())

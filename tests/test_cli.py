@@ -47,6 +47,7 @@ VERIFY_KEYS = {
     "same_tokens",
     "first_divergence",
     "max_abs_logit_diff",
+    "bitwise_equal",
     "kv_projections_no_cache",
     "kv_projections_cached",
     "wall_s_no_cache",
@@ -261,6 +262,7 @@ def test_verify_json(capsys) -> None:
     assert report["kv_projections_no_cache"] == sum(range(p, p + 8))
     assert report["kv_projections_cached"] == p + 8 - 1
     assert 0 <= report["max_abs_logit_diff"] < 1e-3
+    assert report["bitwise_equal"] is (report["max_abs_logit_diff"] == 0.0)
     assert report["cache_bytes"] == 2 * 30 * 3 * 64 * (p + 8) * 4
     assert report["projection_ratio"] > 1
 

@@ -285,6 +285,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         enforce_eager=args.enforce_eager,
         compile_mode=args.compile_mode or EngineConfig().compile_mode,
+        batch_invariant=args.batch_invariant,
         cache=cache_config(args),
         scheduler=scheduler_config(args),
     )

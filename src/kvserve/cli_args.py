@@ -117,6 +117,14 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
         "check): sync (before the first step), background (eager until compiled) or off "
         "(the default). Models whose every step runs the fused kernel never compile",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="the same logits, bit for bit, whatever a request's batch, prefill chunking, "
+        "prefix-cache hits or preemptions: every matmul in one fixed order, every step through "
+        "the fused kernel (a bfloat16 quantized Llama-family model on an AVX-512-BF16 CPU; "
+        "prefill is slower, see the README)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--max-num-seqs", type=int, default=_SCHED.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=_SCHED.max_num_batched_tokens)
@@ -242,4 +250,5 @@ def make_llm(
         max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         enforce_eager=args.enforce_eager,
         compile_mode=args.compile_mode or default_compile_mode,
+        batch_invariant=args.batch_invariant,
     )

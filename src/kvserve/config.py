@@ -131,6 +131,10 @@ class EngineConfig:
     # which inductor's fusions do not give (float32 max logit diff ~1e-3, bfloat16 ~2.5), so
     # compiling would only spend a start's CPU to run eager anyway
     compile_mode: str = "off"
+    # every matmul in one fixed summation order and every step through the fused kernel: a
+    # request's logits bit-identical whatever its batch, chunking or cache hits (ARCHITECTURE.md
+    # "Bitwise invariance"); off by default: it costs prefill speed (README "Batch-invariant")
+    batch_invariant: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = False  # progress bar while loading weights

@@ -40,6 +40,7 @@ from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.model_session import ModelSession
+from kvserve.models.weight_formats import fix_summation_order
 from kvserve.sampling import SamplingParams, make_generator, sample_step
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -74,6 +75,7 @@ class LLMEngine:
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
         compile_mode: str = "off",
+        batch_invariant: bool = False,
     ) -> None:
         cache_config = cache_config or CacheConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
@@ -117,7 +119,20 @@ class LLMEngine:
             has_tokenizer=tokenizer is not None,
             pool_tokens=self._pool_tokens(num_blocks),
         )
+        if batch_invariant:
+            # every matmul in one fixed order, every step through the fused kernel: a
+            # request's numbers do not depend on its batch, chunking or cache hits
+            why = fix_summation_order(model)
+            if why:
+                raise ValueError(f"batch_invariant is not available here: {why}")
         self.fused_decode = FusedDecode.build(model, self.storage)
+        if batch_invariant and (self.fused_decode is None or not self.fused_decode.every_step):
+            raise ValueError(
+                "batch_invariant is not available here: the fused step does not take this model "
+                f"and cache ({FusedDecode._unsupported(model, self.storage) or 'its kernels'}); "
+                "it needs a quantized Llama-family model without biases or q/k norm, full "
+                "attention and a float KV cache"
+            )
         # "background": eager now, the compiled step between requests once it is ready. When
         # every step runs fused, no layer step is ever called: nothing to compile
         every_step = self.fused_decode is not None and self.fused_decode.every_step
@@ -162,6 +177,7 @@ class LLMEngine:
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
         compile_mode: str = "off",
+        batch_invariant: bool = False,
     ) -> LLMEngine:
         return cls(
             session.model,
@@ -173,6 +189,7 @@ class LLMEngine:
             enforce_eager,
             faults,
             compile_mode,
+            batch_invariant,
         )
 
     # -- requests ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The fused decode step: every decoder layer of an all-decode batch in one C++ call.
+"""The fused step: every decoder layer of a batch of token rows in one C++ call.
 
 A decode step of the default model at batch 1 is ~4 ms of quantized matmuls; run layer by
 layer from Python (eager or compiled halves) it made ~600 PyTorch calls and their dispatch
@@ -17,6 +17,12 @@ When it runs (``FusedDecode.build`` says why not, once, at debug level):
   AVX-512-BF16 CPU multiplies each weight through the float32 or the bf16 kernel, whichever
   ``QuantPolicy.path`` picks at the step's row count (the bf16 one through AMX tiles where
   the CPU has them), as the eager layers would.
+
+With every weight's policy in the bf16 kernel's fixed order (``every_step``: batch-invariant
+mode, ``weight_formats.fix_summation_order``) it runs every step, prefill and mixed ones too: a
+prefill token is one more row, attending through the decode kernel over its request's blocks up
+to its own position. Then a token's arithmetic does not depend on the step it ran in (its
+batch, its chunk, a prefix hit): the bitwise-invariant default path (ARCHITECTURE.md).
 
 Activations stay float32 inside (a bfloat16 model's eager layers round them to bfloat16 after
 each op), the cache is written in its own dtype. The eager layers are the reference:
@@ -150,10 +156,10 @@ class FusedDecode:
         """Final hidden states (B, hidden) in the model dtype, as ``model.forward`` returns."""
         inner = self.model.model
         rows = input_ids.shape[0]
-        flags = self._bf16_flags.get(rows)
+        flags = self._bf16_flags.get(0 if self.every_step else rows)  # fixed order: one set
         if flags is None:  # the path each weight takes at this many rows (as quant_linear)
             flags = [KERNEL_FLAGS.get(p.path(rows, self.bf16), 0) for p in self.policies]
-            self._bf16_flags[rows] = flags
+            self._bf16_flags[0 if self.every_step else rows] = flags
         tables, seq_lens = md.block_tables, md.seq_lens_tensor
         if rows != md.num_reqs:
             # prefill tokens: each row is one query, over its request's blocks up to and

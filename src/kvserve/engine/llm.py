@@ -50,6 +50,7 @@ class LLM:
         show_progress: bool = False,
         enforce_eager: bool = False,
         compile_mode: str = "off",
+        batch_invariant: bool = False,
     ) -> None:
         self.session = session or ModelSession.open(
             model, dtype, device, show_progress, quantization
@@ -73,7 +74,12 @@ class LLM:
             max_prefill_tokens_with_decodes,
         )
         self.engine = LLMEngine.from_session(
-            self.session, cache, sched, enforce_eager, compile_mode=compile_mode
+            self.session,
+            cache,
+            sched,
+            enforce_eager,
+            compile_mode=compile_mode,
+            batch_invariant=batch_invariant,
         )
 
     def generate(

@@ -16,6 +16,7 @@ row threshold from a measurement on this machine. ``WeightsReport`` says what wa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -135,13 +136,6 @@ def _policies(
         bf16 = features.native_bf16 and dtype == torch.bfloat16
         # the bf16 kernel needs AVX-512-BF16 itself (AMX-only CPUs have it too, in practice)
         bf16_kernel = bf16 and features.avx512_bf16 and features.avx512
-        if bf16_kernel:
-            # every row count through the bf16 kernel in its fixed order: the same bits for a
-            # row in any batch or chunk (ARCHITECTURE.md "Bitwise invariance"); no threshold
-            # to measure
-            out[key] = QuantPolicy(use_kernels=True, isa=isa, kernel_max_rows=0,
-                                   native_bf16=True, fixed_order=True)  # fmt: skip
-            continue
         amx = bf16_kernel and features.amx_bf16 and torch.ops.kvserve.cpu_has_amx_bf16()
         args = {"qtype": q.qtype, "shape": list(q.shape), "isa": isa, "bf16": bf16}
         args |= {"bf16_kernel": bf16_kernel, "amx": amx}
@@ -299,3 +293,22 @@ def _finalize_dense(
             report.paths[name] = path
             if make is not None:
                 _set_module(model, module_name, make(module))
+
+
+def fix_summation_order(model: nn.Module) -> str:
+    """Batch-invariant mode: every quantized matmul of ``model`` takes the bf16 kernel in its
+    fixed order at every row count (ARCHITECTURE.md "Bitwise invariance"), in place. Returns
+    why it cannot ("" when done): it needs a bfloat16 model whose quantized weights run the C++
+    kernels on a CPU with AVX-512-BF16."""
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if not quantized:
+        return "no quantized weights (dense weights run oneDNN, whose order is not fixed)"
+    if not all(m.policy.use_kernels and m.policy.native_bf16 for m in quantized):
+        return "the model is not bfloat16 on a native-bf16 CPU with the C++ kernels loaded"
+    if not torch.ops.kvserve.cpu_has_avx512_bf16():
+        return "the CPU lacks AVX-512-BF16 (the fixed-order kernel's VDPBF16PS)"
+    for m in quantized:
+        m.policy = dataclasses.replace(
+            m.policy, kernel_max_rows=0, bf16_kernel_max_rows=0, amx_min_rows=0, fixed_order=True
+        )
+    return ""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from kvserve.models.model_session import ModelSession
 from kvserve.reference.sessions import generate_once
 from kvserve.sampling import SamplingParams
@@ -21,6 +23,7 @@ class VerifyReport:
     same_tokens: bool
     first_divergence: int | None  # index of the first differing generated token
     max_abs_logit_diff: float  # over the steps before any divergence
+    bitwise_equal: bool  # every compared step's logits identical, bit for bit
     kv_projections_no_cache: int
     kv_projections_cached: int
     wall_s_no_cache: float
@@ -50,6 +53,7 @@ class VerifyReport:
             f"generated tokens:         {self.generated_tokens}",
             f"same tokens:              {'yes' if self.same_tokens else 'no'}{diverged}",
             f"max |logit difference|:   {self.max_abs_logit_diff:.3g}",
+            f"logits bit for bit:       {'equal' if self.bitwise_equal else 'not equal'}",
             f"K/V projections:          no cache {self.kv_projections_no_cache}, "
             f"cached {self.kv_projections_cached} ({self.projection_ratio:.1f}x fewer)",
             f"wall time:                no cache {self.wall_s_no_cache:.2f} s, "
@@ -73,6 +77,10 @@ def verify(session: ModelSession, prompt: str, max_tokens: int) -> VerifyReport:
         float((a - b).abs().max())
         for a, b in zip(slow.step_logits[:compared], fast.step_logits[:compared], strict=True)
     )
+    same_bits = all(
+        torch.equal(a, b)
+        for a, b in zip(slow.step_logits[:compared], fast.step_logits[:compared], strict=True)
+    )
     spec = session.model.kv_cache_spec()
     cache_bytes = spec.bytes_per_token * (len(prompt_ids) + max_tokens)
     return VerifyReport(
@@ -81,6 +89,7 @@ def verify(session: ModelSession, prompt: str, max_tokens: int) -> VerifyReport:
         same_tokens=first is None,
         first_divergence=first,
         max_abs_logit_diff=diff,
+        bitwise_equal=same_bits and first is None,
         kv_projections_no_cache=slow.kv_projections,
         kv_projections_cached=fast.kv_projections,
         wall_s_no_cache=slow.ttft_s + slow.decode_s,

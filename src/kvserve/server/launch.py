@@ -74,6 +74,7 @@ def load_served(
         engine_config.enforce_eager,
         faults,
         engine_config.compile_mode,
+        engine_config.batch_invariant,
     )
     # stops a background compile: the process must not exit while the compiler runs
     closers: list[Callable[[], None]] = [engine.close]
