@@ -64,14 +64,12 @@ def test_weights_stay_quantized(session: ModelSession, default_gguf: Path) -> No
     assert 0.85 * file_bytes < report.resident_bytes < 1.0 * file_bytes
 
 
-@pytest.mark.parametrize("compile_mode", ["sync", "off"])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["compiled", "eager"])
 def test_engine_greedy_matches_transformers(
-    session: ModelSession, prompt: list[int], hf_tokens: list[int], compile_mode: str
+    session: ModelSession, prompt: list[int], hf_tokens: list[int], enforce_eager: bool
 ) -> None:
-    # sync: compiled, then served only if bitwise equal to eager (else eager, with the reason)
-    llm = LLM(session=session, max_num_seqs=4, compile_mode=compile_mode)
-    if compile_mode == "off":
-        assert not llm.engine.compile_result.compiled
+    llm = LLM(session=session, max_num_seqs=4, enforce_eager=enforce_eager)
+    assert llm.engine.compile_result.compiled is not enforce_eager, llm.engine.compile_result
     (out,) = llm.generate([prompt], greedy(), use_tqdm=False)
     assert out.token_ids == hf_tokens
 

@@ -236,7 +236,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     session = open_session(args, show_progress=True)
     tokenizer = session.require_tokenizer()
-    llm = make_llm(args, session)
+    llm = make_llm(args, session, "background")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("kvserve chat -- empty line or Ctrl-D to quit", file=sys.stderr)
     try:

@@ -126,11 +126,9 @@ class EngineConfig:
     device: str | None = None  # None: cuda if available, else cpu
     quantization: str | None = None  # "q8_0" | "q4_0": quantize float weights at load
     enforce_eager: bool = False  # True: no torch.compile of the model step
-    # "sync" | "background" | "off" (engine/compiled_steps.py). "off" by default: a compiled
-    # step serves only when bitwise equal to eager (ARCHITECTURE.md "Bitwise invariance"),
-    # which inductor's fusions do not give (float32 max logit diff ~1e-3, bfloat16 ~2.5), so
-    # compiling would only spend a start's CPU to run eager anyway
-    compile_mode: str = "off"
+    # "sync" | "background" | "off" (engine/compiled_steps.py); the server compiles in the
+    # background so that /health and the first reply do not wait for it
+    compile_mode: str = "background"
     # every matmul in one fixed summation order and every step through the fused kernel: a
     # request's logits bit-identical whatever its batch, chunking or cache hits (ARCHITECTURE.md
     # "Bitwise invariance"); off by default: it costs prefill speed (README "Batch-invariant")

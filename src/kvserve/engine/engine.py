@@ -74,7 +74,7 @@ class LLMEngine:
         eos_token_ids: Sequence[int] = (),
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
-        compile_mode: str = "off",
+        compile_mode: str = "sync",
         batch_invariant: bool = False,
     ) -> None:
         cache_config = cache_config or CacheConfig()
@@ -176,7 +176,7 @@ class LLMEngine:
         scheduler: SchedulerConfig | None = None,
         enforce_eager: bool = False,
         faults: FaultInjector | None = None,
-        compile_mode: str = "off",
+        compile_mode: str = "sync",
         batch_invariant: bool = False,
     ) -> LLMEngine:
         return cls(

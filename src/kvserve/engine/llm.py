@@ -49,7 +49,7 @@ class LLM:
         session: ModelSession | None = None,
         show_progress: bool = False,
         enforce_eager: bool = False,
-        compile_mode: str = "off",
+        compile_mode: str = "sync",
         batch_invariant: bool = False,
     ) -> None:
         self.session = session or ModelSession.open(
