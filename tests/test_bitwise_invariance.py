@@ -227,3 +227,42 @@ def test_same_text_through_the_server_with_the_cache_on_off_and_hit(
     for r in results[1:]:
         assert r["choices"][0]["text"] == first["text"]
         assert r["choices"][0]["logprobs"] == first["logprobs"]
+
+
+@pytest.mark.skipif(not _invariant_default_path(), reason="needs AVX-512-BF16 and the kernels")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
+    (9, 3, 64, 16), (8, 8, 64, 16), (16, 2, 128, 8), (4, 1, 256, 16),
+])  # fmt: skip
+def test_attention_gives_a_query_the_same_bits_as_decode_or_in_any_chunk(
+    heads: int, kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """paged_decode_attention over a bfloat16 cache: the rows of one request at consecutive
+    positions (a prefill chunk, computed 16 queries at a time) equal each row computed alone
+    (a decode, keys in lanes), in chunks of any length, and beside another request's rows."""
+    torch.manual_seed(head_dim + heads)
+    length, num_blocks = 150, 64
+    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
+    vc = torch.randn_like(kc)
+    width = -(-length // block_size)
+    table = torch.randperm(num_blocks)[:width]
+    q = torch.randn(length, heads, head_dim) * 0.2
+    pos = torch.arange(length)
+
+    def attend(rows: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        lens = pos[rows] + 1
+        return torch.ops.kvserve.paged_decode_attention(
+            q[rows].contiguous(), kc, vc, tables, lens.contiguous(), 1.0, -1
+        )
+
+    alone = torch.cat([attend(pos[i : i + 1], table[None]) for i in range(length)])
+    for chunk in (1, 3, 7, 16, 17, 64, length):
+        for lo in range(0, length, chunk):
+            rows = pos[lo : lo + chunk]
+            got = attend(rows, table.expand(len(rows), -1).contiguous())
+            assert torch.equal(got, alone[rows]), (chunk, lo)
+    # beside another request's chunk and a decode: the same
+    other = torch.randperm(num_blocks)[:width]
+    rows = torch.cat([pos[100:101], pos[20:60], pos[70:90]])
+    tables = torch.cat([other[None], table.expand(40, -1), other.expand(20, -1)])
+    got = attend(rows, tables.contiguous())
+    assert torch.equal(got[1:41], alone[20:60])

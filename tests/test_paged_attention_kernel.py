@@ -5,6 +5,8 @@ fallback switch, the ISA argument and the input checks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -236,14 +238,19 @@ def test_meta_kernel_traces() -> None:
 def test_bf16_cache_paths_agree_with_scalar(head_dim, heads, kv_heads, block_size) -> None:
     # float32 queries over a bfloat16 cache: the products are exact in float32 on every path,
     # so the vector paths (on AVX-512 at these head_dims: the whole-task bf16 path, with its
-    # even/odd lanes and 16-row reductions) differ from scalar only by summation order.
-    # Lengths cover a partial 16-row group, exact multiples of 16 and of the block size.
+    # even/odd lanes and 16-row reductions; with AVX-512-BF16, paged_attention_dp.cpp, which
+    # rounds the scaled query to bfloat16 for VDPBF16PS) differ from scalar only by summation
+    # order: the queries are bfloat16 values and the scale a power of two, so that rounding
+    # changes nothing. Lengths cover a partial 16-row group, exact multiples of 16 and of the
+    # block size.
     lens = [1, 15, 16, 17, 33, 100, 257]
     storage, q, tables, lens_t, _ = build_cache(
         lens, heads, kv_heads, head_dim, torch.bfloat16, block_size, seed=5
     )
-    args = (q.float(), storage.plane(0, "k").codes, storage.plane(0, "v").codes, tables, lens_t)
-    scalar = paged_decode_attention(*args, head_dim**-0.5, 0)
+    q = q.to(torch.bfloat16).float()
+    args = (q, storage.plane(0, "k").codes, storage.plane(0, "v").codes, tables, lens_t)
+    scale = 2.0 ** -round(math.log2(head_dim) / 2)
+    scalar = paged_decode_attention(*args, scale, 0)
     for isa in supported_isas()[1:]:
-        out = paged_decode_attention(*args, head_dim**-0.5, isa)
+        out = paged_decode_attention(*args, scale, isa)
         torch.testing.assert_close(out, scalar, atol=3e-6, rtol=1e-5)

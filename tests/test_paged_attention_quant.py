@@ -143,6 +143,9 @@ def test_float_format_is_the_float_kernel(dtype, isa) -> None:
     # test_paged_attention_kernel.py::test_bf16_cache_paths_agree_with_scalar)
     name = str(dtype).removeprefix("torch.")
     args, _, _ = make_case(name, name, 64, 9, 3, 16, random_lens(16, seed=5), seed=6)
+    # bfloat16 queries: the AVX-512-BF16 path of the float kernel rounds the scaled query to
+    # bfloat16, which then (a power-of-two scale) changes nothing
+    args = (args[0].to(torch.bfloat16).to(args[0].dtype), *args[1:])
     q, kc, vc, tables, lens = args[0], args[1], args[5], args[-2], args[-1]
     out = paged_decode_attention_quant(*args, 0.125, isa)
     want = paged_decode_attention(q, kc, vc, tables, lens, 0.125, isa)

@@ -1,0 +1,310 @@
+// Paged attention over a bfloat16 cache on CPUs with AVX-512-BF16, in ONE order for decode and
+// prefill (ARCHITECTURE.md "Bitwise invariance"): a query's output does not depend on whether
+// it was a decode row or one token of a prefill chunk, nor on how many others shared the call.
+//
+// The order, per (query token, query head g, kv head h), over the request's first n keys:
+//   q    = bfloat16(q * scale) as D/2 words (pairs of dims), rounded to nearest even
+//   s_j  = VDPBF16PS chain over the pairs p = 0 .. D/2-1 in order, from 0: one float32 lane
+//   P    = softmax_dp(s_0 .. s_{n-1}) (max, then exp(s - max) and their sum in 16 lanes over j
+//          in order, the lanes summed by _mm512_reduce_add_ps), 1 / sum
+//   out  = (sum over j in order of fma(P_j, v_j)) * (1 / sum), float32, per dim
+// Decode computes s for 16 keys per vector (keys in lanes: their rows transposed into pair
+// columns), prefill for 16 query tokens per vector (tokens in lanes: each key's pair
+// broadcast): the same chain per lane either way, because VDPBF16PS's lane arithmetic does not
+// depend on which operand is which. Products of two bfloat16 values are exact in float32.
+//
+// Why: the decode kernel's scores (float32 FMAs over dims in 16 lanes, then a transpose-add
+// tree) cost ~9 instructions a score; run for every token of a prefill it made batch-invariant
+// prefill 1.4-2x slower than the eager path's (SDPA) at 512-2000 tokens. Here a prefill score
+// is ~4 instructions and a decode score ~2-3.
+#include "paged_attention_dp.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "transpose16.h"
+#include "vec_exp.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve_attn {
+
+#if defined(__x86_64__)
+namespace {
+
+#define KV_DP __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
+
+KV_DP inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// s[0..n) <- exp(s - max s); returns the sum (the decode kernel's softmax, one order)
+KV_DP float softmax_dp(float* s, int64_t n) {
+  __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16)
+    vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(vm, lanes(n - i), s + i));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes(n - i);
+    const __m512 e = kvserve_vec::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), mx));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// qw (rows, D/2) words <- bfloat16 pairs of q (rows, D) float32, nearest even; D % 32 == 0
+KV_DP void to_words(const float* q, int64_t rows, int64_t D, uint32_t* qw) {
+  for (int64_t i = 0; i < rows * D; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + i + 16), _mm512_loadu_ps(q + i));
+    _mm512_storeu_si512(qw + i / 2, reinterpret_cast<__m512i>(v));
+  }
+}
+
+inline const BFloat16Bits* key_row(const BFloat16Bits* c, const int64_t* table, int64_t i,
+                                   int64_t bs, int64_t blk, int64_t row) {
+  return c + table[i / bs] * blk + (i % bs) * row;
+}
+
+// Decode scores: s[g * ss + i] for i < n, G query heads (qw (G, DW) words), keys in lanes.
+// kt: (4, DW, 16) words of scratch, tile: (16, DW) words, 64-byte aligned.
+template <int DW>
+KV_DP void scores_by_key(const uint32_t* qw, int64_t G, const BFloat16Bits* kc,
+                         const int64_t* table, int64_t n, int64_t bs, int64_t blk, int64_t row,
+                         float* s, int64_t ss, uint32_t* tile, uint32_t* kt) {
+  for (int64_t i0 = 0; i0 < n; i0 += 64) {
+    const int64_t groups = std::min<int64_t>(4, (n - i0 + 15) / 16);
+    for (int64_t q = 0; q < groups; ++q) {  // 16 rows -> (DW, 16) pair columns
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t i = i0 + 16 * q + r;
+        if (i < n)
+          std::memcpy(tile + r * DW, key_row(kc, table, i, bs, blk, row), DW * 4);
+        else
+          std::memset(tile + r * DW, 0, DW * 4);
+      }
+      for (int c = 0; c < DW / 16; ++c)
+        kvserve_simd::transpose16(reinterpret_cast<const float*>(tile + 16 * c), DW,
+                                  reinterpret_cast<float*>(kt + q * DW * 16 + 256 * c), 16);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[4];
+      for (int q = 0; q < 4; ++q) acc[q] = _mm512_setzero_ps();
+      const uint32_t* qg = qw + g * DW;
+      for (int p = 0; p < DW; ++p) {
+        const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qg[p])));
+        for (int q = 0; q < 4; ++q)  // independent chains; groups past n are never stored
+          acc[q] = _mm512_dpbf16_ps(
+              acc[q], qv,
+              reinterpret_cast<__m512bh>(_mm512_load_si512(kt + q * DW * 16 + 16 * p)));
+      }
+      for (int64_t q = 0; q < groups; ++q)
+        _mm512_mask_storeu_ps(s + g * ss + i0 + 16 * q, lanes(n - i0 - 16 * q), acc[q]);
+    }
+  }
+}
+
+// Prefill scores: 16 query rows per vector. qt (DW, 16) words: the rows' pairs transposed
+// (rows past the last zero); s rows (16, ss): s[l * ss + j] for j < n (the largest row's
+// keys; a row reads only its own first lens). buf: 2 x 256 floats, 64-byte aligned.
+template <int DW>
+KV_DP void scores_by_query(const uint32_t* qt, const BFloat16Bits* kc, const int64_t* table,
+                           int64_t n, int64_t bs, int64_t blk, int64_t row, float* s,
+                           int64_t ss, float* buf) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    for (int64_t u0 = 0; u0 < 16; u0 += 8) {
+      const uint32_t* k[8];
+      for (int u = 0; u < 8; ++u)  // past n: key 0 again (its scores are never read)
+        k[u] = reinterpret_cast<const uint32_t*>(
+            key_row(kc, table, j0 + u0 + u < n ? j0 + u0 + u : 0, bs, blk, row));
+      __m512 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
+      for (int p = 0; p < DW; ++p) {
+        const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_load_si512(qt + 16 * p));
+        for (int u = 0; u < 8; ++u)
+          acc[u] = _mm512_dpbf16_ps(
+              acc[u], qv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(k[u][p]))));
+      }
+      for (int u = 0; u < 8; ++u) _mm512_store_ps(buf + (u0 + u) * 16, acc[u]);
+    }
+    kvserve_simd::transpose16(buf, 16, buf + 256, 16);  // (key, row) -> (row, key)
+    for (int l = 0; l < 16; ++l) _mm512_storeu_ps(s + l * ss + j0, _mm512_load_ps(buf + 256 + 16 * l));
+  }
+}
+
+// out (G, D) <- softmax(s rows (G, ss), first n) . V over the request's first n rows, for
+// D = 32 * NP: per dim a float32 FMA chain over the rows in order, times 1 / sum.
+template <int NP>
+KV_DP void weighted_values(float* s, int64_t ss, int64_t G, const BFloat16Bits* vc,
+                           const int64_t* table, int64_t n, int64_t bs, int64_t blk, int64_t row,
+                           float* out) {
+  constexpr int64_t D = 32 * NP;
+  constexpr int64_t GC = NP <= 2 ? 4 : 8 / NP;  // heads whose accumulators fit in registers
+  float inv[16];  // G <= 16 (attend_dp_available)
+  for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / softmax_dp(s + g * ss, n);
+  for (int64_t g0 = 0; g0 < G; g0 += GC) {
+    const int64_t gn = std::min<int64_t>(GC, G - g0);
+    __m512 a[GC][2 * NP];
+    for (int64_t g = 0; g < gn; ++g)
+      for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(key_row(vc, table, i, bs, blk, row));
+      __m512 vf[2 * NP];
+      for (int c = 0; c < 2 * NP; ++c)  // 16 bf16 -> 16 float32 (exact: a 16-bit shift)
+        vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))),
+            16));
+      for (int64_t g = 0; g < gn; ++g) {
+        const __m512 p = _mm512_set1_ps(s[(g0 + g) * ss + i]);
+        for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_fmadd_ps(p, vf[c], a[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < gn; ++g) {
+      const __m512 w = _mm512_set1_ps(inv[g0 + g]);
+      for (int c = 0; c < 2 * NP; ++c)
+        _mm512_storeu_ps(out + (g0 + g) * D + 16 * c, _mm512_mul_ps(a[g][c], w));
+    }
+  }
+}
+
+// Runs of at least this many rows (prefill chunks) go 16 rows per unit by query; shorter ones
+// (decodes) a row per unit by key. Either gives the same bits: this only picks the faster.
+constexpr int64_t kMinQueryRows = 4;
+
+struct Scratch {  // per worker, 64-byte aligned, zeroed
+  explicit Scratch(int64_t floats) {
+    const size_t bytes = (floats * 4 + 63) / 64 * 64;
+    p = static_cast<float*>(std::aligned_alloc(64, bytes));
+    TORCH_CHECK(p != nullptr, "paged attention: out of memory for ", bytes, " bytes of scratch");
+    std::memset(p, 0, bytes);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(p); }
+  float* p;
+};
+
+template <int NP>
+void attend_dp(const float* q, const BFloat16Bits* kc, const BFloat16Bits* vc,
+               const int64_t* tables, int64_t width, const int64_t* lens, int64_t B, int64_t H,
+               int64_t KVH, int64_t bs, int64_t max_len, float* out) {
+  constexpr int64_t D = 32 * NP, DW = 16 * NP;
+  const int64_t G = H / KVH, row = KVH * D, blk = bs * row;
+  const int64_t cap = (max_len + 15) / 16 * 16;  // a score row's room
+  // runs: consecutive rows of one request at consecutive positions (a prefill chunk), found
+  // by their tables and lengths; rows alone (decodes) are runs of one
+  std::vector<int64_t> starts{0};
+  for (int64_t b = 1; b < B; ++b)
+    if (lens[b] != lens[b - 1] + 1 ||
+        std::memcmp(tables + b * width, tables + (b - 1) * width, width * 8) != 0)
+      starts.push_back(b);
+  starts.push_back(B);
+  // units of work: up to 16 rows of one run (by query) or one row (by key), per kv head
+  struct Unit {
+    int64_t b0, rows, h;
+  };
+  std::vector<Unit> units;
+  for (size_t r = 0; r + 1 < starts.size(); ++r) {
+    const int64_t len = starts[r + 1] - starts[r];
+    const int64_t step = len >= kMinQueryRows ? 16 : 1;
+    for (int64_t b = starts[r]; b < starts[r + 1]; b += step)
+      for (int64_t h = 0; h < KVH; ++h)
+        units.push_back({b, std::min(step, starts[r + 1] - b), h});
+  }
+  const int64_t nunits = static_cast<int64_t>(units.size());
+  int64_t rows_total = 0;
+  for (int64_t b = 0; b < B; ++b) rows_total += lens[b] * KVH;
+  const int64_t W = rows_total < 512 ? 1 : std::min<int64_t>(at::get_num_threads(), nunits);
+  at::parallel_for(0, W, 1, [&](int64_t w0, int64_t w1) {
+    // scores (16 rows x G, cap), words (16 x G, DW), transposed words, key tiles, buffers
+    const int64_t need = 16 * G * cap + 16 * DW + DW * 16 + 16 * DW + 4 * DW * 16 + 512;
+    Scratch scratch(need);
+    float* s = scratch.p;
+    uint32_t* qw = reinterpret_cast<uint32_t*>(s + 16 * G * cap);
+    uint32_t* qt = qw + 16 * DW;  // qw: (16 rows or G heads, DW) words; qt: (DW, 16)
+    uint32_t* tile = qt + DW * 16;
+    uint32_t* kt = tile + 16 * DW;
+    float* buf = reinterpret_cast<float*>(kt + 4 * DW * 16);
+    for (int64_t w = w0; w < w1; ++w)
+      for (int64_t t = w; t < nunits; t += W) {
+        const Unit u = units[t];
+        const int64_t* table = tables + u.b0 * width;
+        const BFloat16Bits *kh = kc + u.h * D, *vh = vc + u.h * D;
+        if (u.rows == 1) {  // by key
+          const int64_t b = u.b0, n = lens[b];
+          // scores of head g at s + g * cap
+          to_words(q + (b * H + u.h * G) * D, G, D, qw);
+          scores_by_key<DW>(qw, G, kh, table, n, bs, blk, row, s, cap, tile, kt);
+          weighted_values<NP>(s, cap, G, vh, table, n, bs, blk, row,
+                              out + (b * H + u.h * G) * D);
+          continue;
+        }
+        // by query: rows b0 .. b0 + rows - 1 (positions lens - 1); s row of (l, g): l * G + g
+        const int64_t n_last = lens[u.b0 + u.rows - 1];
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t l = 0; l < 16; ++l) {
+            uint32_t* dst = qw + l * DW;
+            if (l < u.rows)
+              to_words(q + ((u.b0 + l) * H + u.h * G + g) * D, 1, D, dst);
+            else
+              std::memset(dst, 0, DW * 4);
+          }
+          for (int c = 0; c < DW / 16; ++c)  // (16 rows, DW) -> (DW, 16)
+            kvserve_simd::transpose16(reinterpret_cast<const float*>(qw + 16 * c), DW,
+                                      reinterpret_cast<float*>(qt + 256 * c), 16);
+          // row l's scores for head g land at s + (l * G + g) * cap: stride G * cap
+          scores_by_query<DW>(qt, kh, table, n_last, bs, blk, row, s + g * cap, G * cap, buf);
+        }
+        for (int64_t l = 0; l < u.rows; ++l) {
+          const int64_t b = u.b0 + l;
+          weighted_values<NP>(s + l * G * cap, cap, G, vh, table, lens[b], bs, blk, row,
+                              out + (b * H + u.h * G) * D);
+        }
+      }
+  });
+}
+
+}  // namespace
+#endif  // __x86_64__
+
+bool attend_dp_available(int64_t H, int64_t KVH, int64_t D) {
+#if defined(__x86_64__)
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bf16");
+  }();
+  return cpu && KVH > 0 && H % KVH == 0 && H / KVH <= 16 && (D == 64 || D == 128 || D == 256);
+#else
+  (void)H, (void)KVH, (void)D;
+  return false;
+#endif
+}
+
+void attend_dp_raw(const float* q, const void* kc, const void* vc, const int64_t* tables,
+                   int64_t width, const int64_t* lens, int64_t B, int64_t H, int64_t KVH,
+                   int64_t D, int64_t bs, int64_t max_len, float* out) {
+#if defined(__x86_64__)
+  const auto* k = static_cast<const BFloat16Bits*>(kc);
+  const auto* v = static_cast<const BFloat16Bits*>(vc);
+  switch (D) {
+    case 64: return attend_dp<2>(q, k, v, tables, width, lens, B, H, KVH, bs, max_len, out);
+    case 128: return attend_dp<4>(q, k, v, tables, width, lens, B, H, KVH, bs, max_len, out);
+    default: return attend_dp<8>(q, k, v, tables, width, lens, B, H, KVH, bs, max_len, out);
+  }
+#else
+  (void)q, (void)kc, (void)vc, (void)tables, (void)width, (void)lens, (void)B, (void)H;
+  (void)KVH, (void)D, (void)bs, (void)max_len, (void)out;
+#endif
+}
+
+}  // namespace kvserve_attn
