@@ -144,6 +144,11 @@ def main(argv: list[str] | None = None) -> None:
         default=default_peer_python("llama"),
         help="Python of the llama-cpp-python venv (default: .peers/llama/bin/python if set up)",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="kvserve in batch-invariant mode (the same bits whatever the batch or chunking)",
+    )
     plot.add_plot_arg(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     hf = None if args.skip_hf else export_hf_dir_model(session, hf_dtype)
 
     # no prefix caching: every run repeats the prompt, and a hit would make TTFT a lookup
-    llm = LLM(session=session, max_num_seqs=1, enable_prefix_caching=False)
+    extra = {"batch_invariant": True} if args.batch_invariant else {}
+    llm = LLM(session=session, max_num_seqs=1, enable_prefix_caching=False, **extra)
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], warm, use_tqdm=False)
     generate(DenseCacheDecoder(model, max_len), prompt, warm)

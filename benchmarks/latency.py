@@ -76,10 +76,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="kvserve in batch-invariant mode (the same bits whatever the batch or chunking)",
+    )
     plot.add_plot_arg(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
+    extra = {"batch_invariant": True} if args.batch_invariant else {}
+    llm = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False, **extra)
     vocab = llm.engine.model_config.vocab_size
     lens = [int(n) for n in args.prompt_lens.split(",")]
     one_request(llm, [1000 + i for i in range(16)], 4)  # warm-up

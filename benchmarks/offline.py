@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> None:
         choices=["same", "float32", "bfloat16"],
         help="vLLM's dtype (default: the one kvserve runs, auto resolved)",
     )
+    ap.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="kvserve in batch-invariant mode (the same bits whatever the batch or chunking)",
+    )
     plot.add_plot_arg(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -141,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             max_num_seqs=args.max_num_seqs,
             enable_prefix_caching=False,
             kv_cache_dtype=args.kv_cache_dtype,
+            **({"batch_invariant": True} if args.batch_invariant else {}),
         ),
         args.dtype,
     )

@@ -236,25 +236,30 @@ def test_same_text_through_the_server_with_the_cache_on_off_and_hit(
 def test_attention_gives_a_query_the_same_bits_as_decode_or_in_any_chunk(
     heads: int, kv_heads: int, head_dim: int, block_size: int
 ) -> None:
-    """paged_decode_attention over a bfloat16 cache: the rows of one request at consecutive
-    positions (a prefill chunk, computed 16 queries at a time) equal each row computed alone
-    (a decode, keys in lanes), in chunks of any length, and beside another request's rows."""
+    """paged_decode_attention_dp (batch-invariant mode's attention over a bfloat16 cache): the
+    rows of one request at consecutive positions (a prefill chunk, computed 16 queries at a
+    time) equal each row computed alone (a decode, keys in lanes), in chunks of any length, and
+    beside another request's rows; and it is attention (against the decode kernel)."""
     torch.manual_seed(head_dim + heads)
     length, num_blocks = 150, 64
     kc = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(torch.bfloat16)
     vc = torch.randn_like(kc)
     width = -(-length // block_size)
     table = torch.randperm(num_blocks)[:width]
-    q = torch.randn(length, heads, head_dim) * 0.2
+    q = (torch.randn(length, heads, head_dim) * 0.2).to(torch.bfloat16).float()
     pos = torch.arange(length)
 
     def attend(rows: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         lens = pos[rows] + 1
-        return torch.ops.kvserve.paged_decode_attention(
-            q[rows].contiguous(), kc, vc, tables, lens.contiguous(), 1.0, -1
+        return torch.ops.kvserve.paged_decode_attention_dp(
+            q[rows].contiguous(), kc, vc, tables, lens.contiguous(), 1.0
         )
 
     alone = torch.cat([attend(pos[i : i + 1], table[None]) for i in range(length)])
+    decode_kernel = torch.ops.kvserve.paged_decode_attention(
+        q, kc, vc, table.expand(length, -1).contiguous(), pos + 1, 1.0, -1
+    )  # bfloat16 queries, scale 1: the dp kernel's rounding changes nothing, only the order
+    torch.testing.assert_close(alone, decode_kernel, rtol=1e-4, atol=1e-5)
     for chunk in (1, 3, 7, 16, 17, 64, length):
         for lo in range(0, length, chunk):
             rows = pos[lo : lo + chunk]

@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "paged_attention_dp.h"
 #include "quant_kernels.h"
 #include "silu_mul.h"
 
@@ -194,6 +195,11 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   const int64_t max_len = kvserve_attn::check_block_tables(
       tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), B, bs, NB);
 
+  // fixed-order weights (flag 3: batch-invariant mode) take the attention of one order too,
+  // where it runs (a bfloat16 cache on AVX-512-BF16); elsewhere the decode kernel, itself the
+  // same per row whatever the batch
+  bool one_order = cache_dtype == at::kBFloat16 && kvserve_attn::attend_dp_available(H, KVH, D);
+  for (int64_t j = 0; j < 4 * L; ++j) one_order = one_order && bf16[j] == 3;
   const float fscale = static_cast<float>(scale);  // as ATen's float op with a scalar
   at::Tensor x = x_in.contiguous().clone();  // the residual stream, updated in place
   if (B == 0) return x;
@@ -236,9 +242,14 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
           store_row(v, row, reinterpret_cast<c10::Half*>(vc) + off);
       }
     }
-    kvserve_attn::paged_attend_raw(q.data(), kc, vc, cache_dtype, tables.data_ptr<int64_t>(),
-                                   width, lens.data_ptr<int64_t>(), B, H, KVH, D, bs, max_len, isa,
-                                   attn.data());
+    if (one_order)  // batch-invariant mode: decode rows and prefill chunks in one order
+      kvserve_attn::attend_dp_raw(q.data(), kc, vc, tables.data_ptr<int64_t>(), width,
+                                  lens.data_ptr<int64_t>(), B, H, KVH, D, bs, max_len,
+                                  attn.data());
+    else
+      kvserve_attn::paged_attend_raw(q.data(), kc, vc, cache_dtype, tables.data_ptr<int64_t>(),
+                                     width, lens.data_ptr<int64_t>(), B, H, KVH, D, bs, max_len,
+                                     isa, attn.data());
     project(attn.data(), B, H * D, qweights[j + 1], qtypes[j + 1], hidden, bf16[j + 1], isa, xb,
             proj.data());
     for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];

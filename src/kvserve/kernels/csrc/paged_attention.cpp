@@ -23,7 +23,6 @@
 // old path behind a temporary switch (not kept).
 #include "cpu_isa.h"
 #include "paged_attention.h"
-#include "paged_attention_dp.h"
 #include "vec_exp.h"
 #include "vec_reduce.h"
 
@@ -705,8 +704,6 @@ void paged_attend_raw(const float* q, const void* kc, const void* vc, at::Scalar
                       const int64_t* tables, int64_t width, const int64_t* lens, int64_t B,
                       int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_len, int64_t isa,
                       float* out) {
-  if (dtype == at::kBFloat16 && isa == kAvx512 && attend_dp_available(H, KVH, D))
-    return attend_dp_raw(q, kc, vc, tables, width, lens, B, H, KVH, D, bs, max_len, out);
   auto run = [&](auto tag) {  // tag: a null pointer of the cache's element type
     using T = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
     attend<T>(q, static_cast<const T*>(kc), static_cast<const T*>(vc), tables, width, lens, B, H,

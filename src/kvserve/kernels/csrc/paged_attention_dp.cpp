@@ -19,6 +19,9 @@
 // is ~4 instructions and a decode score ~2-3.
 #include "paged_attention_dp.h"
 
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -28,6 +31,7 @@
 #include <limits>
 #include <vector>
 
+#include "paged_attention.h"
 #include "transpose16.h"
 #include "vec_exp.h"
 
@@ -308,3 +312,53 @@ void attend_dp_raw(const float* q, const void* kc, const void* vc, const int64_t
 }
 
 }  // namespace kvserve_attn
+
+namespace {
+
+// kvserve::paged_decode_attention_dp: this file's attention as an op (tests; the engine calls
+// it inside decode_layers in batch-invariant mode). q (B, H, D) float32, caches (num_blocks,
+// bs, KVH, D) bfloat16, block_tables (B, width) and seq_lens (B,) int64.
+at::Tensor paged_decode_attention_dp_cpu(const at::Tensor& q, const at::Tensor& key_cache,
+                                         const at::Tensor& value_cache,
+                                         const at::Tensor& block_tables,
+                                         const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat,
+              "paged_decode_attention_dp: q must be (B, H, D) float32, got ", q.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.scalar_type() == at::kBFloat16 &&
+                  value_cache.sizes() == key_cache.sizes() &&
+                  value_cache.scalar_type() == at::kBFloat16,
+              "paged_decode_attention_dp: caches must be one (num_blocks, block_size, kv_heads, "
+              "head_dim) bfloat16 shape, got ", key_cache.sizes(), " and ", value_cache.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == D, "paged_decode_attention_dp: head_dim ", D, " vs cache ",
+              key_cache.size(3));
+  TORCH_CHECK(kvserve_attn::attend_dp_available(H, KVH, D),
+              "paged_decode_attention_dp: needs AVX-512-BF16, head_dim 64/128/256 and at most "
+              "16 query heads per kv head; got heads ", H, ", kv heads ", KVH, ", head_dim ", D);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B &&
+                  block_tables.scalar_type() == at::kLong && seq_lens.dim() == 1 &&
+                  seq_lens.size(0) == B && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention_dp: block_tables (B, width) and seq_lens (B,) int64");
+  const at::Tensor kc = key_cache.contiguous(), vc = value_cache.contiguous();
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const at::Tensor qs = (q * scale).contiguous();
+  at::Tensor out = at::empty_like(qs);
+  if (B == 0) return out;
+  const int64_t width = tables.size(1), bs = kc.size(1);
+  const int64_t max_len = kvserve_attn::check_block_tables(
+      tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), B, bs, kc.size(0));
+  kvserve_attn::attend_dp_raw(qs.data_ptr<float>(), kc.const_data_ptr(), vc.const_data_ptr(),
+                              tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), B, H,
+                              KVH, D, bs, max_len, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("paged_decode_attention_dp(Tensor q, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("paged_decode_attention_dp", &paged_decode_attention_dp_cpu);
+}
