@@ -145,7 +145,10 @@ KV_DP void scores_by_query(const uint32_t* qt, const BFloat16Bits* kc, const int
 }
 
 // out (G, D) <- softmax(s rows (G, ss), first n) . V over the request's first n rows, for
-// D = 32 * NP: per dim a float32 FMA chain over the rows in order, times 1 / sum.
+// D = 32 * NP: per dim a float32 FMA chain over the rows in order, times 1 / sum. A V row is
+// read as 32-bit words of two bf16 values: word << 16 is the even dim, word & 0xFFFF0000 the
+// odd one (two ALU ops per 32 values), so the accumulators hold evens and odds apart and are
+// interleaved back at the end (a permutation: no arithmetic).
 template <int NP>
 KV_DP void weighted_values(float* s, int64_t ss, int64_t G, const BFloat16Bits* vc,
                            const int64_t* table, int64_t n, int64_t bs, int64_t blk, int64_t row,
@@ -154,27 +157,38 @@ KV_DP void weighted_values(float* s, int64_t ss, int64_t G, const BFloat16Bits* 
   constexpr int64_t GC = NP <= 2 ? 4 : 8 / NP;  // heads whose accumulators fit in registers
   float inv[16];  // G <= 16 (attend_dp_available)
   for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / softmax_dp(s + g * ss, n);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
   for (int64_t g0 = 0; g0 < G; g0 += GC) {
     const int64_t gn = std::min<int64_t>(GC, G - g0);
-    __m512 a[GC][2 * NP];
+    __m512 a[GC][2 * NP];  // per head: (evens, odds) of each 32 dims
     for (int64_t g = 0; g < gn; ++g)
       for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
-      const uint16_t* v = reinterpret_cast<const uint16_t*>(key_row(vc, table, i, bs, blk, row));
-      __m512 vf[2 * NP];
-      for (int c = 0; c < 2 * NP; ++c)  // 16 bf16 -> 16 float32 (exact: a 16-bit shift)
-        vf[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c))),
-            16));
+      const BFloat16Bits* v = key_row(vc, table, i, bs, blk, row);
+      __m512 e[NP], o[NP];
+      for (int c = 0; c < NP; ++c) {
+        const __m512i w = _mm512_loadu_si512(v + 32 * c);
+        e[c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        o[c] = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+      }
       for (int64_t g = 0; g < gn; ++g) {
         const __m512 p = _mm512_set1_ps(s[(g0 + g) * ss + i]);
-        for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_fmadd_ps(p, vf[c], a[g][c]);
+        for (int c = 0; c < NP; ++c) {
+          a[g][2 * c] = _mm512_fmadd_ps(p, e[c], a[g][2 * c]);
+          a[g][2 * c + 1] = _mm512_fmadd_ps(p, o[c], a[g][2 * c + 1]);
+        }
       }
     }
-    for (int64_t g = 0; g < gn; ++g) {
+    for (int64_t g = 0; g < gn; ++g) {  // out[32c + 2i] = evens[i], out[32c + 2i + 1] = odds[i]
       const __m512 w = _mm512_set1_ps(inv[g0 + g]);
-      for (int c = 0; c < 2 * NP; ++c)
-        _mm512_storeu_ps(out + (g0 + g) * D + 16 * c, _mm512_mul_ps(a[g][c], w));
+      float* og = out + (g0 + g) * D;
+      for (int c = 0; c < NP; ++c) {
+        const __m512 ev = a[g][2 * c], od = a[g][2 * c + 1];
+        _mm512_storeu_ps(og + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(ev, lo, od), w));
+        _mm512_storeu_ps(og + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ev, hi, od), w));
+      }
     }
   }
 }
