@@ -79,13 +79,26 @@ inline const BFloat16Bits* key_row(const BFloat16Bits* c, const int64_t* table, 
   return c + table[i / bs] * blk + (i % bs) * row;
 }
 
+// rows [i0, i1) of one head's cache (D bf16 values each) towards L2: a decode reads its K and
+// V once, from DRAM at long contexts, and the rows of a paged request are not contiguous for
+// the hardware prefetcher (the decode kernel's kAhead, as in paged_attention.cpp)
+inline void prefetch_rows(const BFloat16Bits* c, const int64_t* table, int64_t i0, int64_t i1,
+                          int64_t bs, int64_t blk, int64_t row, int64_t D) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const char* p = reinterpret_cast<const char*>(key_row(c, table, i, bs, blk, row));
+    for (int64_t off = 0; off < D * 2; off += 64) __builtin_prefetch(p + off, 0, 2);
+  }
+}
+
 // Decode scores: s[g * ss + i] for i < n, G query heads (qw (G, DW) words), keys in lanes.
 // kt: (4, DW, 16) words of scratch, tile: (16, DW) words, 64-byte aligned.
 template <int DW>
 KV_DP void scores_by_key(const uint32_t* qw, int64_t G, const BFloat16Bits* kc,
                          const int64_t* table, int64_t n, int64_t bs, int64_t blk, int64_t row,
                          float* s, int64_t ss, uint32_t* tile, uint32_t* kt) {
+  prefetch_rows(kc, table, 0, std::min<int64_t>(n, 64), bs, blk, row, 2 * DW);
   for (int64_t i0 = 0; i0 < n; i0 += 64) {
+    prefetch_rows(kc, table, std::min(n, i0 + 64), std::min(n, i0 + 128), bs, blk, row, 2 * DW);
     const int64_t groups = std::min<int64_t>(4, (n - i0 + 15) / 16);
     for (int64_t q = 0; q < groups; ++q) {  // 16 rows -> (DW, 16) pair columns
       for (int64_t r = 0; r < 16; ++r) {
@@ -165,7 +178,10 @@ KV_DP void weighted_values(float* s, int64_t ss, int64_t G, const BFloat16Bits* 
     __m512 a[GC][2 * NP];  // per head: (evens, odds) of each 32 dims
     for (int64_t g = 0; g < gn; ++g)
       for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_setzero_ps();
+    if (g0 == 0) prefetch_rows(vc, table, 0, std::min<int64_t>(n, 32), bs, blk, row, D);
     for (int64_t i = 0; i < n; ++i) {
+      if (g0 == 0 && i % 16 == 0)
+        prefetch_rows(vc, table, std::min(n, i + 32), std::min(n, i + 48), bs, blk, row, D);
       const BFloat16Bits* v = key_row(vc, table, i, bs, blk, row);
       __m512 e[NP], o[NP];
       for (int c = 0; c < NP; ++c) {
@@ -197,12 +213,15 @@ KV_DP void weighted_values(float* s, int64_t ss, int64_t G, const BFloat16Bits* 
 // (decodes) a row per unit by key. Either gives the same bits: this only picks the faster.
 constexpr int64_t kMinQueryRows = 4;
 
-struct Scratch {  // per worker, 64-byte aligned, zeroed
+// Per worker, 64-byte aligned. Not cleared: every value read is written first, but for lanes
+// of rows past a block's end or past a chunk's last token, computed and never stored or read.
+// (Clearing it, 16 score rows of the longest context per layer and worker, was ~1.3 ms of a
+// 1500-token decode step of the default model.)
+struct Scratch {
   explicit Scratch(int64_t floats) {
     const size_t bytes = (floats * 4 + 63) / 64 * 64;
     p = static_cast<float*>(std::aligned_alloc(64, bytes));
     TORCH_CHECK(p != nullptr, "paged attention: out of memory for ", bytes, " bytes of scratch");
-    std::memset(p, 0, bytes);
   }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
@@ -238,15 +257,18 @@ void attend_dp(const float* q, const BFloat16Bits* kc, const BFloat16Bits* vc,
         units.push_back({b, std::min(step, starts[r + 1] - b), h});
   }
   const int64_t nunits = static_cast<int64_t>(units.size());
+  bool by_query = false;  // score rows for 16 tokens, else for one token's G heads
+  for (const Unit& u : units) by_query = by_query || u.rows > 1;
+  const int64_t score_rows = by_query ? 16 * G : G;
   int64_t rows_total = 0;
   for (int64_t b = 0; b < B; ++b) rows_total += lens[b] * KVH;
   const int64_t W = rows_total < 512 ? 1 : std::min<int64_t>(at::get_num_threads(), nunits);
   at::parallel_for(0, W, 1, [&](int64_t w0, int64_t w1) {
     // scores (16 rows x G, cap), words (16 x G, DW), transposed words, key tiles, buffers
-    const int64_t need = 16 * G * cap + 16 * DW + DW * 16 + 16 * DW + 4 * DW * 16 + 512;
+    const int64_t need = score_rows * cap + 16 * DW + DW * 16 + 16 * DW + 4 * DW * 16 + 512;
     Scratch scratch(need);
     float* s = scratch.p;
-    uint32_t* qw = reinterpret_cast<uint32_t*>(s + 16 * G * cap);
+    uint32_t* qw = reinterpret_cast<uint32_t*>(s + score_rows * cap);
     uint32_t* qt = qw + 16 * DW;  // qw: (16 rows or G heads, DW) words; qt: (DW, 16)
     uint32_t* tile = qt + DW * 16;
     uint32_t* kt = tile + 16 * DW;
