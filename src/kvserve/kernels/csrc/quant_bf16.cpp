@@ -207,8 +207,8 @@ void gemm_bf16(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* wp, cons
 // dequantizer's own float operations, so the same float32 values as the dequantize-into-L1
 // tiles), rounded to bfloat16 by the same VCVTNE2PS2BF16 pairing as to_bf16, multiplied by
 // VDPBF16PS into one accumulator per element, flushed per kChunk values: the tiles' sums bit
-// for bit, with batch-1 decode streaming each weight once and never storing it (the tiles'
-// dequantize-into-L1 cost ~10% of the default model's decode-1).
+// for bit, with batch-1 decode streaming each weight once and never storing it (Zen 5, best
+// of 20, 2 threads: Q4_1 192 x 576 at one row 5 us against the tiles' 8).
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma"))), apply_to = function)
 #else
