@@ -121,18 +121,20 @@ class LLMEngine:
         )
         if batch_invariant:
             # every matmul in one fixed order, every step through the fused kernel: a
-            # request's numbers do not depend on its batch, chunking or cache hits
+            # request's numbers do not depend on its batch, chunking or cache hits. Checked
+            # before the model's policies change, so a refusal leaves the model as it was
+            why = FusedDecode._unsupported(model, self.storage)
+            if why:
+                raise ValueError(
+                    f"batch_invariant is not available here: the fused step does not take this "
+                    f"model and cache ({why}); it needs a quantized Llama-family model without "
+                    "biases or q/k norm, full attention and a float KV cache"
+                )
             why = fix_summation_order(model)
             if why:
                 raise ValueError(f"batch_invariant is not available here: {why}")
         self.fused_decode = FusedDecode.build(model, self.storage)
-        if batch_invariant and (self.fused_decode is None or not self.fused_decode.every_step):
-            raise ValueError(
-                "batch_invariant is not available here: the fused step does not take this model "
-                f"and cache ({FusedDecode._unsupported(model, self.storage) or 'its kernels'}); "
-                "it needs a quantized Llama-family model without biases or q/k norm, full "
-                "attention and a float KV cache"
-            )
+        assert not batch_invariant or (self.fused_decode and self.fused_decode.every_step)
         # "background": eager now, the compiled step between requests once it is ready. When
         # every step runs fused, no layer step is ever called: nothing to compile
         every_step = self.fused_decode is not None and self.fused_decode.every_step

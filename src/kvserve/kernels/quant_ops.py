@@ -9,8 +9,8 @@
   for rows above ``kernel_max_rows`` up to ``bf16_kernel_max_rows``;
 - ``amx kernel``: the same arithmetic through AMX tiles (CPUs with AMX-BF16), for the rows
   of the bf16 kernel's range from ``amx_min_rows`` on;
-- ``bf16 kernel, fixed order`` (``fixed_order``, a bfloat16 model on a CPU with AVX-512-BF16,
-  the default): the bf16 kernel at every row count, each output summed in one order whatever
+- ``bf16 kernel, fixed order`` (``fixed_order``: batch-invariant mode, a bfloat16 model on a
+  CPU with AVX-512-BF16): the bf16 kernel at every row count, each output summed in one order whatever
   the row count, so a request's numbers do not depend on its batch (ARCHITECTURE.md);
 - ``dequant+matmul``: the C++ dequantizer into a float32 weight (a bfloat16 model on a CPU
   with native bfloat16: straight into a bf16 weight, ``dequantize_bf16``), then ``F.linear``
