@@ -40,7 +40,6 @@ from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.config import ModelConfig
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.model_session import ModelSession
-from kvserve.models.weight_formats import fix_summation_order
 from kvserve.sampling import SamplingParams, make_generator, sample_step
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -119,22 +118,7 @@ class LLMEngine:
             has_tokenizer=tokenizer is not None,
             pool_tokens=self._pool_tokens(num_blocks),
         )
-        if batch_invariant:
-            # every matmul in one fixed order, every step through the fused kernel: a
-            # request's numbers do not depend on its batch, chunking or cache hits. Checked
-            # before the model's policies change, so a refusal leaves the model as it was
-            why = FusedDecode._unsupported(model, self.storage)
-            if why:
-                raise ValueError(
-                    f"batch_invariant is not available here: the fused step does not take this "
-                    f"model and cache ({why}); it needs a quantized Llama-family model without "
-                    "biases or q/k norm, full attention and a float KV cache"
-                )
-            why = fix_summation_order(model)
-            if why:
-                raise ValueError(f"batch_invariant is not available here: {why}")
-        self.fused_decode = FusedDecode.build(model, self.storage)
-        assert not batch_invariant or (self.fused_decode and self.fused_decode.every_step)
+        self.fused_decode = FusedDecode.build(model, self.storage, batch_invariant)
         # "background": eager now, the compiled step between requests once it is ready. When
         # every step runs fused, no layer step is ever called: nothing to compile
         every_step = self.fused_decode is not None and self.fused_decode.every_step

@@ -41,6 +41,7 @@ from kvserve.kernels.build import load_kernels
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quantized_linear import QuantizedLinear
+from kvserve.models.weight_formats import fix_summation_order
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,24 @@ class FusedDecode:
         self._bf16_flags: dict[int, list[int]] = {}
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, storage: KVCacheStorage) -> FusedDecode | None:
-        """The fused step for this model, or None (with the reason logged) when it can't run."""
+    def build(
+        cls, model: LlamaForCausalLM, storage: KVCacheStorage, batch_invariant: bool = False
+    ) -> FusedDecode | None:
+        """The fused step for this model, or None (with the reason logged) when it can't run.
+        ``batch_invariant``: first every quantized matmul in the fixed order, so that every
+        step runs here; a ValueError says why where it cannot (checked before the model's
+        policies change, so a refusal leaves the model as it was)."""
+        if batch_invariant:
+            why = cls._unsupported(model, storage)
+            if why:
+                raise ValueError(
+                    f"batch_invariant is not available here: the fused step does not take this "
+                    f"model and cache ({why}); it needs a quantized Llama-family model without "
+                    "biases or q/k norm, full attention and a float KV cache"
+                )
+            why = fix_summation_order(model)
+            if why:
+                raise ValueError(f"batch_invariant is not available here: {why}")
         reason = cls._unsupported(model, storage)
         if reason:
             logger.debug("fused decode step off: %s", reason)
@@ -106,6 +123,7 @@ class FusedDecode:
                 "(kvserve::decode_layers)",
                 fused.max_rows,
             )
+        assert fused.every_step or not batch_invariant
         return fused
 
     @staticmethod
