@@ -80,7 +80,8 @@ class FusedDecode:
         if self.every_step:
             self.max_rows = 1 << 62
         self.isa = layers[0][0].policy.isa
-        # rows -> per weight: 0 the float32 kernel, 1 the bf16 kernel, 2 the bf16 one on AMX
+        # rows -> per weight: 0 the float32 kernel, 1 the bf16 kernel, 2 the bf16 one on AMX,
+        # 3 the bf16 one in its fixed order (one set for every row count)
         self._bf16_flags: dict[int, list[int]] = {}
 
     @classmethod

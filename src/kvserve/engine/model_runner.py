@@ -47,7 +47,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.steps = steps  # the layer halves: eager or compiled (engine/compiled_steps.py)
-        # all layers of an all-decode step in one kernel call (engine/fused_decode.py)
+        # all layers of an all-decode step (every step in batch-invariant mode) in one kernel
+        # call (engine/fused_decode.py)
         self.fused = fused
         self.storage = storage
         self.block_size = storage.spec.block_size

@@ -1,5 +1,6 @@
-// kvserve::decode_layers: every decoder layer of a Llama-family model for one batch of decode
-// tokens (one new token per request), in one call.
+// kvserve::decode_layers: every decoder layer of a Llama-family model for one batch of token
+// rows in one call: decodes (one new token per request), and in batch-invariant mode prefill
+// tokens too (each row with its own block table and seq_len = position + 1).
 //
 // Why: at batch 1 the arithmetic of a step is ~4 ms of quantized matmuls, but the eager (or
 // per-layer compiled) step made ~20 PyTorch calls per layer, 600 per token, and their
