@@ -7,7 +7,10 @@
 //   s_j  = VDPBF16PS chain over the pairs p = 0 .. D/2-1 in order, from 0: one float32 lane
 //   P    = softmax_dp(s_0 .. s_{n-1}) (max, then exp(s - max) and their sum in 16 lanes over j
 //          in order, the lanes summed by _mm512_reduce_add_ps), 1 / sum
-//   out  = (sum over j in order of fma(P_j, v_j)) * (1 / sum), float32, per dim
+//   out  = (VDPBF16PS chain over key pairs (0,1), (2,3), .. in order, from 0, of bfloat16(P)
+//          pairs against V pairs; an odd n's last key paired with P = 0, V = 0) * (1 / sum),
+//          float32, per dim. P is rounded to bfloat16 as the flash loop's (prefill_tiles_bf16.h)
+//          and the AMX tiles' P are; the sum is of the float32 P.
 // Decode computes s for 16 keys per vector (keys in lanes: their rows transposed into pair
 // columns), prefill for 16 query tokens per vector (tokens in lanes: each key's pair
 // broadcast): the same chain per lane either way, because VDPBF16PS's lane arithmetic does not
@@ -16,7 +19,10 @@
 // Why: the decode kernel's scores (float32 FMAs over dims in 16 lanes, then a transpose-add
 // tree) cost ~9 instructions a score; run for every token of a prefill it made batch-invariant
 // prefill 1.4-2x slower than the eager path's (SDPA) at 512-2000 tokens. Here a prefill score
-// is ~4 instructions and a decode score ~2-3.
+// is ~4 instructions and a decode score ~2-3. P . V in float32 FMAs (a key per instruction per
+// 16 dims, each V row widened again for every query) was 26% of a 2000-token prefill in
+// batch-invariant mode; VDPBF16PS takes two keys per instruction, each V pair interleaved once
+// per set of up to 6 chains (query heads x rows) that share it.
 #include "paged_attention_dp.h"
 
 #include <ATen/ATen.h>
@@ -26,6 +32,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -101,15 +108,28 @@ KV_DP void scores_by_key(const uint32_t* qw, int64_t G, const BFloat16Bits* kc,
     prefetch_rows(kc, table, std::min(n, i0 + 64), std::min(n, i0 + 128), bs, blk, row, 2 * DW);
     const int64_t groups = std::min<int64_t>(4, (n - i0 + 15) / 16);
     for (int64_t q = 0; q < groups; ++q) {  // 16 rows -> (DW, 16) pair columns
-      for (int64_t r = 0; r < 16; ++r) {
-        const int64_t i = i0 + 16 * q + r;
-        if (i < n)
-          std::memcpy(tile + r * DW, key_row(kc, table, i, bs, blk, row), DW * 4);
-        else
-          std::memset(tile + r * DW, 0, DW * 4);
+      const int64_t i1 = i0 + 16 * q;
+      const uint32_t* src = tile;
+      int64_t stride = DW;  // words
+      const BFloat16Bits* first = key_row(kc, table, i1, bs, blk, row);
+      if (i1 % bs + 16 <= bs && reinterpret_cast<uintptr_t>(first) % 64 == 0 && row % 32 == 0) {
+        // the 16 rows lie in one block, `row` apart, aligned as transpose16 loads them:
+        // transposed straight from the cache (rows past n are the block's unwritten slots:
+        // their lanes are never stored). Copying them into `tile` first was ~a third of a
+        // batch's decode scores.
+        src = reinterpret_cast<const uint32_t*>(first);
+        stride = row / 2;
+      } else {
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t i = i1 + r;
+          if (i < n)
+            std::memcpy(tile + r * DW, key_row(kc, table, i, bs, blk, row), DW * 4);
+          else
+            std::memset(tile + r * DW, 0, DW * 4);
+        }
       }
       for (int c = 0; c < DW / 16; ++c)
-        kvserve_simd::transpose16(reinterpret_cast<const float*>(tile + 16 * c), DW,
+        kvserve_simd::transpose16(reinterpret_cast<const float*>(src + 16 * c), stride,
                                   reinterpret_cast<float*>(kt + q * DW * 16 + 256 * c), 16);
     }
     for (int64_t g = 0; g < G; ++g) {
@@ -157,56 +177,131 @@ KV_DP void scores_by_query(const uint32_t* qt, const BFloat16Bits* kc, const int
   }
 }
 
-// out (G, D) <- softmax(s rows (G, ss), first n) . V over the request's first n rows, for
-// D = 32 * NP: per dim a float32 FMA chain over the rows in order, times 1 / sum. A V row is
-// read as 32-bit words of two bf16 values: word << 16 is the even dim, word & 0xFFFF0000 the
-// odd one (two ALU ops per 32 values), so the accumulators hold evens and odds apart and are
-// interleaved back at the end (a permutation: no arithmetic).
-template <int NP>
-KV_DP void weighted_values(float* s, int64_t ss, int64_t G, const BFloat16Bits* vc,
-                           const int64_t* table, int64_t n, int64_t bs, int64_t blk, int64_t row,
-                           float* out) {
-  constexpr int64_t D = 32 * NP;
-  constexpr int64_t GC = NP <= 2 ? 4 : 8 / NP;  // heads whose accumulators fit in registers
-  float inv[16];  // G <= 16 (attend_dp_available)
-  for (int64_t g = 0; g < G; ++g) inv[g] = 1.f / softmax_dp(s + g * ss, n);
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
-  for (int64_t g0 = 0; g0 < G; g0 += GC) {
-    const int64_t gn = std::min<int64_t>(GC, G - g0);
-    __m512 a[GC][2 * NP];  // per head: (evens, odds) of each 32 dims
-    for (int64_t g = 0; g < gn; ++g)
-      for (int c = 0; c < 2 * NP; ++c) a[g][c] = _mm512_setzero_ps();
-    if (g0 == 0) prefetch_rows(vc, table, 0, std::min<int64_t>(n, 32), bs, blk, row, D);
-    for (int64_t i = 0; i < n; ++i) {
-      if (g0 == 0 && i % 16 == 0)
-        prefetch_rows(vc, table, std::min(n, i + 32), std::min(n, i + 48), bs, blk, row, D);
-      const BFloat16Bits* v = key_row(vc, table, i, bs, blk, row);
-      __m512 e[NP], o[NP];
-      for (int c = 0; c < NP; ++c) {
-        const __m512i w = _mm512_loadu_si512(v + 32 * c);
-        e[c] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-        o[c] = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
-      }
-      for (int64_t g = 0; g < gn; ++g) {
-        const __m512 p = _mm512_set1_ps(s[(g0 + g) * ss + i]);
-        for (int c = 0; c < NP; ++c) {
-          a[g][2 * c] = _mm512_fmadd_ps(p, e[c], a[g][2 * c]);
-          a[g][2 * c + 1] = _mm512_fmadd_ps(p, o[c], a[g][2 * c + 1]);
-        }
-      }
-    }
-    for (int64_t g = 0; g < gn; ++g) {  // out[32c + 2i] = evens[i], out[32c + 2i + 1] = odds[i]
-      const __m512 w = _mm512_set1_ps(inv[g0 + g]);
-      float* og = out + (g0 + g) * D;
-      for (int c = 0; c < NP; ++c) {
-        const __m512 ev = a[g][2 * c], od = a[g][2 * c + 1];
-        _mm512_storeu_ps(og + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(ev, lo, od), w));
-        _mm512_storeu_ps(og + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(ev, hi, od), w));
-      }
+// Score row s (n floats: exp(s - max), softmax_dp's output) -> bfloat16 in place, key order,
+// nearest even: 32-bit word i holds (P_2i, P_2i+1), as VDPBF16PS takes a pair. Past n the
+// words are 0 (masked loads), so an odd n's last word is (P_n-1, 0). In place is safe: chunk
+// i's words land on floats that chunk i or an earlier one has already read.
+KV_DP void to_pair_words(float* s, int64_t n) {
+  auto* w = reinterpret_cast<uint16_t*>(s);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512 lo = _mm512_maskz_loadu_ps(lanes(n - i), s + i);
+    const __m512 hi = _mm512_maskz_loadu_ps(lanes(std::max<int64_t>(0, n - i - 16)), s + i + 16);
+    const int64_t words = std::min<int64_t>(32, (n - i + 1) & ~int64_t{1});  // whole pairs
+    const __mmask32 m = words == 32 ? ~__mmask32{0} : (__mmask32{1} << words) - 1;
+    _mm512_mask_storeu_epi16(w + i, m, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+// One P . V chain: a (token, query head)'s pair words (to_pair_words), its key count, where
+// its D outputs go, and 1 / its softmax sum.
+struct PvChain {
+  const float* pw;
+  int64_t n;
+  float* out;
+  float inv;
+};
+
+KV_DP inline __m512bh word16(const float* pw, int64_t i) {
+  int32_t w;
+  std::memcpy(&w, pw + i, sizeof w);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(w));
+}
+
+// acc[k] += P pair i of chain k . (V row a, V row b) for the chains in `live`; b == nullptr:
+// zeros (an odd count's last pair). Per 32 dims c: unpacklo/hi interleave the two rows' words
+// into 16 (a_d, b_d) pairs each, lanes in the order dims 32c + {0-3, 8-11, 16-19, 24-27} and
+// {4-7, 12-15, 20-23, 28-31} (store_pv puts them back: a permutation, no arithmetic).
+template <int NP, int K>
+KV_DP inline void pv_pair(__m512 (&acc)[K][2 * NP], const BFloat16Bits* a, const BFloat16Bits* b,
+                          const PvChain* ch, int64_t i, unsigned live) {
+  for (int c = 0; c < NP; ++c) {
+    const __m512i va = _mm512_loadu_si512(a + 32 * c);
+    const __m512i vb = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+    const __m512bh lo = reinterpret_cast<__m512bh>(_mm512_unpacklo_epi16(va, vb));
+    const __m512bh hi = reinterpret_cast<__m512bh>(_mm512_unpackhi_epi16(va, vb));
+    for (int k = 0; k < K; ++k) {
+      if (!((live >> k) & 1u)) continue;
+      const __m512bh p = word16(ch[k].pw, i);
+      acc[k][2 * c] = _mm512_dpbf16_ps(acc[k][2 * c], p, lo);
+      acc[k][2 * c + 1] = _mm512_dpbf16_ps(acc[k][2 * c + 1], p, hi);
     }
   }
+}
+
+// out (D) of K chains over one kv head's values (all through the same table): per dim a
+// VDPBF16PS chain over key pairs 0, 1, .. in order, then the odd count's last key paired with
+// zeros, times 1 / sum. A chain's arithmetic depends only on its own words and n, never on the
+// other chains in the set (a decode's G heads, or rows of a prefill chunk).
+template <int NP, int K>
+KV_DP void pv_set(const PvChain* ch, const BFloat16Bits* vc, const int64_t* table, int64_t bs,
+                  int64_t blk, int64_t row, bool prefetch) {
+  constexpr int64_t D = 32 * NP;
+  __m512 acc[K][2 * NP];
+  for (int k = 0; k < K; ++k)
+    for (int c = 0; c < 2 * NP; ++c) acc[k][c] = _mm512_setzero_ps();
+  int64_t common = ch[0].n / 2, most = ch[0].n / 2;
+  for (int k = 1; k < K; ++k) {
+    common = std::min(common, ch[k].n / 2);
+    most = std::max(most, ch[k].n / 2);
+  }
+  const int64_t reach = 2 * most + 1;  // rows any chain reads
+  if (prefetch) prefetch_rows(vc, table, 0, std::min<int64_t>(reach, 32), bs, blk, row, D);
+  for (int64_t i = 0; i < common; ++i) {
+    if (prefetch && i % 8 == 0)
+      prefetch_rows(vc, table, std::min(reach, 2 * i + 32), std::min(reach, 2 * i + 48), bs, blk,
+                    row, D);
+    pv_pair<NP, K>(acc, key_row(vc, table, 2 * i, bs, blk, row),
+                   key_row(vc, table, 2 * i + 1, bs, blk, row), ch, i, ~0u);
+  }
+  for (int64_t i = common; i < most; ++i) {  // chains with more keys (a chunk's later rows)
+    unsigned live = 0;
+    for (int k = 0; k < K; ++k) live |= (i < ch[k].n / 2 ? 1u : 0u) << k;
+    pv_pair<NP, K>(acc, key_row(vc, table, 2 * i, bs, blk, row),
+                   key_row(vc, table, 2 * i + 1, bs, blk, row), ch, i, live);
+  }
+  for (int k = 0; k < K; ++k)
+    if (ch[k].n % 2)
+      pv_pair<NP, K>(acc, key_row(vc, table, ch[k].n - 1, bs, blk, row), nullptr, ch,
+                     ch[k].n / 2, 1u << k);
+  const __m512i lo_idx = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+  for (int k = 0; k < K; ++k) {
+    const __m512 w = _mm512_set1_ps(ch[k].inv);
+    for (int c = 0; c < NP; ++c) {
+      const __m512 l = acc[k][2 * c], h = acc[k][2 * c + 1];
+      _mm512_storeu_ps(ch[k].out + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(l, lo_idx, h), w));
+      _mm512_storeu_ps(ch[k].out + 32 * c + 16,
+                       _mm512_mul_ps(_mm512_permutex2var_ps(l, hi_idx, h), w));
+    }
+  }
+}
+
+// Chains per set: their accumulators (2 NP vectors each) stay in registers.
+template <int NP>
+constexpr int kSetChains = NP == 2 ? 6 : NP == 4 ? 3 : 1;
+
+template <int NP, int K = kSetChains<NP>>
+KV_DP void pv_tail_set(const PvChain* ch, int64_t count, const BFloat16Bits* vc,
+                       const int64_t* table, int64_t bs, int64_t blk, int64_t row, bool prefetch) {
+  if constexpr (K >= 1) {
+    if (count == K) return pv_set<NP, K>(ch, vc, table, bs, blk, row, prefetch);
+    if constexpr (K > 1) pv_tail_set<NP, K - 1>(ch, count, vc, table, bs, blk, row, prefetch);
+  }
+}
+
+// The softmax and P . V of `count` chains over one kv head's values: s rows already hold the
+// scores; each becomes pair words in place. The first set prefetches (a decode reads V once).
+template <int NP>
+KV_DP void softmax_values(PvChain* ch, int64_t count, const BFloat16Bits* vc,
+                          const int64_t* table, int64_t bs, int64_t blk, int64_t row) {
+  for (int64_t k = 0; k < count; ++k) {
+    float* s = const_cast<float*>(ch[k].pw);
+    ch[k].inv = 1.f / softmax_dp(s, ch[k].n);
+    to_pair_words(s, ch[k].n);
+  }
+  constexpr int64_t KS = kSetChains<NP>;
+  for (int64_t k0 = 0; k0 < count; k0 += KS)
+    pv_tail_set<NP>(ch + k0, std::min(KS, count - k0), vc, table, bs, blk, row, k0 == 0);
 }
 
 // Runs of at least this many rows (prefill chunks) go 16 rows per unit by query; shorter ones
@@ -273,6 +368,7 @@ void attend_dp(const float* q, const BFloat16Bits* kc, const BFloat16Bits* vc,
     uint32_t* tile = qt + DW * 16;
     uint32_t* kt = tile + 16 * DW;
     float* buf = reinterpret_cast<float*>(kt + 4 * DW * 16);
+    PvChain chains[16 * 16];  // 16 rows x G <= 16 heads
     for (int64_t w = w0; w < w1; ++w)
       for (int64_t t = w; t < nunits; t += W) {
         const Unit u = units[t];
@@ -283,8 +379,9 @@ void attend_dp(const float* q, const BFloat16Bits* kc, const BFloat16Bits* vc,
           // scores of head g at s + g * cap
           to_words(q + (b * H + u.h * G) * D, G, D, qw);
           scores_by_key<DW>(qw, G, kh, table, n, bs, blk, row, s, cap, tile, kt);
-          weighted_values<NP>(s, cap, G, vh, table, n, bs, blk, row,
-                              out + (b * H + u.h * G) * D);
+          for (int64_t g = 0; g < G; ++g)
+            chains[g] = {s + g * cap, n, out + (b * H + u.h * G + g) * D, 0.f};
+          softmax_values<NP>(chains, G, vh, table, bs, blk, row);
           continue;
         }
         // by query: rows b0 .. b0 + rows - 1 (positions lens - 1); s row of (l, g): l * G + g
@@ -303,11 +400,13 @@ void attend_dp(const float* q, const BFloat16Bits* kc, const BFloat16Bits* vc,
           // row l's scores for head g land at s + (l * G + g) * cap: stride G * cap
           scores_by_query<DW>(qt, kh, table, n_last, bs, blk, row, s + g * cap, G * cap, buf);
         }
-        for (int64_t l = 0; l < u.rows; ++l) {
-          const int64_t b = u.b0 + l;
-          weighted_values<NP>(s + l * G * cap, cap, G, vh, table, lens[b], bs, blk, row,
-                              out + (b * H + u.h * G) * D);
-        }
+        for (int64_t l = 0; l < u.rows; ++l)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t b = u.b0 + l;
+            chains[l * G + g] = {s + (l * G + g) * cap, lens[b], out + (b * H + u.h * G + g) * D,
+                                 0.f};
+          }
+        softmax_values<NP>(chains, u.rows * G, vh, table, bs, blk, row);
       }
   });
 }
