@@ -3,6 +3,8 @@ at each row count (a decode batch, a prefill chunk), three ways:
 
   kernel  kvserve::quant_matmul_bf16 on the 4-bit weights: its dot tiles below
           quant_bf16_gemm_min_rows() rows, its panel GEMM from there
+  fixed   the same op with fixed_order=True (batch-invariant mode): the dot tiles (or the
+          register GEMV) at every row count, one summation order
   deq     kvserve::dequantize_bf16 + F.linear (oneDNN): the path the policy takes above the
           kernel's measured range
   dense   F.linear on weights already bfloat16: vLLM's matmul (3x the resident bytes)
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     t = int(qtype)
     ways = {
         "kernel": lambda x, q, wb, n, k: torch.ops.kvserve.quant_matmul_bf16(x[k], q, t, n, 0),
+        "fixed": lambda x, q, wb, n, k: torch.ops.kvserve.quant_matmul_bf16(
+            x[k], q, t, n, 0, True
+        ),
         "deq": lambda x, q, wb, n, k: F.linear(x[k], torch.ops.kvserve.dequantize_bf16(q, t, n, k)),
         "dense": lambda x, q, wb, n, k: F.linear(x[k], wb),
     }
@@ -67,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         f"panel GEMM from {int(torch.ops.kvserve.quant_bf16_gemm_min_rows())} rows, "
         f"torch={torch.__version__}"
     )
-    print("| rows | kernel ms | GFLOP/s | deq ms | x | dense bf16 ms | x |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rows | kernel ms | GFLOP/s | fixed order ms | x | deq ms | x | dense bf16 ms | x |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     flop_per_row = 2 * NUM_LAYERS * sum(n * k for n, k in FUSED)
     for m in rows:
         x = {k: torch.randn(m, k, generator=g).bfloat16() for k in (576, 1536)}
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         kern = secs["kernel"]
         print(
             f"| {m} | {kern * 1e3:.2f} | {flop_per_row * m / kern / 1e9:.0f} "
+            f"| {secs['fixed'] * 1e3:.2f} | {secs['fixed'] / kern:.2f} "
             f"| {secs['deq'] * 1e3:.2f} | {secs['deq'] / kern:.2f} "
             f"| {secs['dense'] * 1e3:.2f} | {secs['dense'] / kern:.2f} |"
         )

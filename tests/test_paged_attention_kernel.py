@@ -238,10 +238,9 @@ def test_meta_kernel_traces() -> None:
 def test_bf16_cache_paths_agree_with_scalar(head_dim, heads, kv_heads, block_size) -> None:
     # float32 queries over a bfloat16 cache: the products are exact in float32 on every path,
     # so the vector paths (on AVX-512 at these head_dims: the whole-task bf16 path, with its
-    # even/odd lanes and 16-row reductions; with AVX-512-BF16, paged_attention_dp.cpp, which
-    # rounds the scaled query to bfloat16 for VDPBF16PS) differ from scalar only by summation
-    # order: the queries are bfloat16 values and the scale a power of two, so that rounding
-    # changes nothing. Lengths cover a partial 16-row group, exact multiples of 16 and of the
+    # even/odd lanes and 16-row reductions) differ from scalar only by summation order. (The
+    # batch-invariant kernel, paged_attention_dp.cpp, has its own test in
+    # test_bitwise_invariance.py: it rounds P to bfloat16.) Lengths cover a partial 16-row group, exact multiples of 16 and of the
     # block size.
     lens = [1, 15, 16, 17, 33, 100, 257]
     storage, q, tables, lens_t, _ = build_cache(

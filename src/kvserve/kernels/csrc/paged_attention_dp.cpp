@@ -11,18 +11,20 @@
 //          pairs against V pairs; an odd n's last key paired with P = 0, V = 0) * (1 / sum),
 //          float32, per dim. P is rounded to bfloat16 as the flash loop's (prefill_tiles_bf16.h)
 //          and the AMX tiles' P are; the sum is of the float32 P.
-// Decode computes s for 16 keys per vector (keys in lanes: their rows transposed into pair
-// columns), prefill for 16 query tokens per vector (tokens in lanes: each key's pair
-// broadcast): the same chain per lane either way, because VDPBF16PS's lane arithmetic does not
-// depend on which operand is which. Products of two bfloat16 values are exact in float32.
+// A chain is one (query token, query head). A decode row's G heads, or up to 16 rows x G heads
+// of a prefill chunk, are computed together over the same keys: scores with 16 keys in lanes
+// (their rows transposed into pair columns once for all the chains, up to 6 chains x 64 keys
+// in registers), P . V with 16 dims in lanes (each V key pair interleaved once per set of up
+// to 6 chains). A chain's arithmetic never depends on which others share its set, so a query
+// gets the same bits as a decode row or anywhere in any chunk. Products of two bfloat16 values
+// are exact in float32.
 //
 // Why: the decode kernel's scores (float32 FMAs over dims in 16 lanes, then a transpose-add
 // tree) cost ~9 instructions a score; run for every token of a prefill it made batch-invariant
-// prefill 1.4-2x slower than the eager path's (SDPA) at 512-2000 tokens. Here a prefill score
-// is ~4 instructions and a decode score ~2-3. P . V in float32 FMAs (a key per instruction per
-// 16 dims, each V row widened again for every query) was 26% of a 2000-token prefill in
-// batch-invariant mode; VDPBF16PS takes two keys per instruction, each V pair interleaved once
-// per set of up to 6 chains (query heads x rows) that share it.
+// prefill 1.4-2x slower than the eager path's at 512-2000 tokens. P . V in float32 FMAs (a key
+// per instruction per 16 dims, each V row widened again per query) was 26% of a 2000-token
+// prefill in batch-invariant mode; queries in lanes for the scores (a broadcast load per key
+// pair, a transpose per 16 x 16 scores) cost 11%, against the flash loop's 6%.
 #include "paged_attention_dp.h"
 
 #include <ATen/ATen.h>
@@ -97,10 +99,49 @@ inline void prefetch_rows(const BFloat16Bits* c, const int64_t* table, int64_t i
   }
 }
 
-// Decode scores: s[g * ss + i] for i < n, G query heads (qw (G, DW) words), keys in lanes.
-// kt: (4, DW, 16) words of scratch, tile: (16, DW) words, 64-byte aligned.
+// Scores of R chains (query rows of (DW) words, qw rows DW apart) against the 64 keys of kt
+// ((4, DW, 16) words: 16 keys in lanes per group), stored for the first `groups` key groups
+// of 16 (lanes past n masked): per score a VDPBF16PS chain over the dim pairs in order, 4R
+// independent chains in registers.
+template <int DW, int R>
+KV_DP inline void scores_set(const uint32_t* qw, const uint32_t* kt, int64_t groups, float* s,
+                             int64_t ss, int64_t i0, int64_t n) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int p = 0; p < DW; ++p) {
+    __m512bh kv[4];
+    for (int q = 0; q < 4; ++q)
+      kv[q] = reinterpret_cast<__m512bh>(_mm512_load_si512(kt + q * DW * 16 + 16 * p));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qv =
+          reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qw[r * DW + p])));
+      for (int q = 0; q < 4; ++q)  // groups past n are never stored
+        acc[r][q] = _mm512_dpbf16_ps(acc[r][q], qv, kv[q]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t q = 0; q < groups; ++q)
+      _mm512_mask_storeu_ps(s + r * ss + i0 + 16 * q, lanes(n - i0 - 16 * q), acc[r][q]);
+}
+
+template <int DW, int R = 6>
+KV_DP void scores_sets(const uint32_t* qw, int64_t C, const uint32_t* kt, int64_t groups,
+                       float* s, int64_t ss, int64_t i0, int64_t n) {
+  if constexpr (R >= 1) {
+    for (; C >= R; C -= R, qw += R * DW, s += R * ss)
+      scores_set<DW, R>(qw, kt, groups, s, ss, i0, n);
+    if constexpr (R > 1)
+      if (C > 0) scores_sets<DW, R - 1>(qw, C, kt, groups, s, ss, i0, n);
+  }
+}
+
+// Scores of C chains (qw (C, DW) words: a decode's G query heads, or a prefill chunk's rows x
+// G heads) over the first n keys: s[c * ss + i] for i < n. Keys in lanes: each 16 keys'
+// rows transposed into pair columns once for all the chains. tile: (16, DW) words, kt:
+// (4, DW, 16) words of scratch, 64-byte aligned.
 template <int DW>
-KV_DP void scores_by_key(const uint32_t* qw, int64_t G, const BFloat16Bits* kc,
+KV_DP void scores_by_key(const uint32_t* qw, int64_t C, const BFloat16Bits* kc,
                          const int64_t* table, int64_t n, int64_t bs, int64_t blk, int64_t row,
                          float* s, int64_t ss, uint32_t* tile, uint32_t* kt) {
   prefetch_rows(kc, table, 0, std::min<int64_t>(n, 64), bs, blk, row, 2 * DW);
@@ -132,48 +173,7 @@ KV_DP void scores_by_key(const uint32_t* qw, int64_t G, const BFloat16Bits* kc,
         kvserve_simd::transpose16(reinterpret_cast<const float*>(src + 16 * c), stride,
                                   reinterpret_cast<float*>(kt + q * DW * 16 + 256 * c), 16);
     }
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc[4];
-      for (int q = 0; q < 4; ++q) acc[q] = _mm512_setzero_ps();
-      const uint32_t* qg = qw + g * DW;
-      for (int p = 0; p < DW; ++p) {
-        const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(qg[p])));
-        for (int q = 0; q < 4; ++q)  // independent chains; groups past n are never stored
-          acc[q] = _mm512_dpbf16_ps(
-              acc[q], qv,
-              reinterpret_cast<__m512bh>(_mm512_load_si512(kt + q * DW * 16 + 16 * p)));
-      }
-      for (int64_t q = 0; q < groups; ++q)
-        _mm512_mask_storeu_ps(s + g * ss + i0 + 16 * q, lanes(n - i0 - 16 * q), acc[q]);
-    }
-  }
-}
-
-// Prefill scores: 16 query rows per vector. qt (DW, 16) words: the rows' pairs transposed
-// (rows past the last zero); s rows (16, ss): s[l * ss + j] for j < n (the largest row's
-// keys; a row reads only its own first lens). buf: 2 x 256 floats, 64-byte aligned.
-template <int DW>
-KV_DP void scores_by_query(const uint32_t* qt, const BFloat16Bits* kc, const int64_t* table,
-                           int64_t n, int64_t bs, int64_t blk, int64_t row, float* s,
-                           int64_t ss, float* buf) {
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    for (int64_t u0 = 0; u0 < 16; u0 += 8) {
-      const uint32_t* k[8];
-      for (int u = 0; u < 8; ++u)  // past n: key 0 again (its scores are never read)
-        k[u] = reinterpret_cast<const uint32_t*>(
-            key_row(kc, table, j0 + u0 + u < n ? j0 + u0 + u : 0, bs, blk, row));
-      __m512 acc[8];
-      for (int u = 0; u < 8; ++u) acc[u] = _mm512_setzero_ps();
-      for (int p = 0; p < DW; ++p) {
-        const __m512bh qv = reinterpret_cast<__m512bh>(_mm512_load_si512(qt + 16 * p));
-        for (int u = 0; u < 8; ++u)
-          acc[u] = _mm512_dpbf16_ps(
-              acc[u], qv, reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(k[u][p]))));
-      }
-      for (int u = 0; u < 8; ++u) _mm512_store_ps(buf + (u0 + u) * 16, acc[u]);
-    }
-    kvserve_simd::transpose16(buf, 16, buf + 256, 16);  // (key, row) -> (row, key)
-    for (int l = 0; l < 16; ++l) _mm512_storeu_ps(s + l * ss + j0, _mm512_load_ps(buf + 256 + 16 * l));
+    scores_sets<DW>(qw, C, kt, groups, s, ss, i0, n);
   }
 }
 
@@ -246,12 +246,20 @@ KV_DP void pv_set(const PvChain* ch, const BFloat16Bits* vc, const int64_t* tabl
   }
   const int64_t reach = 2 * most + 1;  // rows any chain reads
   if (prefetch) prefetch_rows(vc, table, 0, std::min<int64_t>(reach, 32), bs, blk, row, D);
-  for (int64_t i = 0; i < common; ++i) {
-    if (prefetch && i % 8 == 0)
-      prefetch_rows(vc, table, std::min(reach, 2 * i + 32), std::min(reach, 2 * i + 48), bs, blk,
-                    row, D);
-    pv_pair<NP, K>(acc, key_row(vc, table, 2 * i, bs, blk, row),
-                   key_row(vc, table, 2 * i + 1, bs, blk, row), ch, i, ~0u);
+  // pairs block by block: with an even block size a pair never straddles two blocks, so its
+  // rows are `row` apart and the table is read once per block (a key_row per row, a division
+  // each, was a fifth of this loop)
+  for (int64_t i = 0; i < common;) {
+    const int64_t first = 2 * i, off = first % bs;
+    const BFloat16Bits* a = vc + table[first / bs] * blk + off * row;
+    const int64_t run = bs % 2 == 0 ? std::min(common - i, (bs - off) / 2) : 1;
+    for (int64_t j = 0; j < run; ++j, ++i, a += 2 * row) {
+      if (prefetch && i % 8 == 0)
+        prefetch_rows(vc, table, std::min(reach, 2 * i + 32), std::min(reach, 2 * i + 48), bs,
+                      blk, row, D);
+      const BFloat16Bits* b = bs % 2 == 0 ? a + row : key_row(vc, table, 2 * i + 1, bs, blk, row);
+      pv_pair<NP, K>(acc, a, b, ch, i, ~0u);
+    }
   }
   for (int64_t i = common; i < most; ++i) {  // chains with more keys (a chunk's later rows)
     unsigned live = 0;
@@ -304,9 +312,9 @@ KV_DP void softmax_values(PvChain* ch, int64_t count, const BFloat16Bits* vc,
     pv_tail_set<NP>(ch + k0, std::min(KS, count - k0), vc, table, bs, blk, row, k0 == 0);
 }
 
-// Runs of at least this many rows (prefill chunks) go 16 rows per unit by query; shorter ones
-// (decodes) a row per unit by key. Either gives the same bits: this only picks the faster.
-constexpr int64_t kMinQueryRows = 4;
+// Rows of one run (a prefill chunk) per unit of work: their scores are computed together
+// (chains of the same keys), each row's own first lens keys used. Any split gives the same bits.
+constexpr int64_t kUnitRows = 16;
 
 // Per worker, 64-byte aligned. Not cleared: every value read is written first, but for lanes
 // of rows past a block's end or past a chunk's last token, computed and never stored or read.
@@ -339,74 +347,50 @@ void attend_dp(const float* q, const BFloat16Bits* kc, const BFloat16Bits* vc,
         std::memcmp(tables + b * width, tables + (b - 1) * width, width * 8) != 0)
       starts.push_back(b);
   starts.push_back(B);
-  // units of work: up to 16 rows of one run (by query) or one row (by key), per kv head
+  // units of work: up to 16 rows of one run per kv head; a unit's rows x G query heads are
+  // its chains, which share each key tile's transpose and each V pair's interleave
   struct Unit {
     int64_t b0, rows, h;
   };
   std::vector<Unit> units;
-  for (size_t r = 0; r + 1 < starts.size(); ++r) {
-    const int64_t len = starts[r + 1] - starts[r];
-    const int64_t step = len >= kMinQueryRows ? 16 : 1;
-    for (int64_t b = starts[r]; b < starts[r + 1]; b += step)
-      for (int64_t h = 0; h < KVH; ++h)
-        units.push_back({b, std::min(step, starts[r + 1] - b), h});
-  }
+  int64_t most_rows = 1;
+  for (size_t r = 0; r + 1 < starts.size(); ++r)
+    for (int64_t b = starts[r]; b < starts[r + 1]; b += kUnitRows) {
+      const int64_t rows = std::min(kUnitRows, starts[r + 1] - b);
+      most_rows = std::max(most_rows, rows);
+      for (int64_t h = 0; h < KVH; ++h) units.push_back({b, rows, h});
+    }
   const int64_t nunits = static_cast<int64_t>(units.size());
-  bool by_query = false;  // score rows for 16 tokens, else for one token's G heads
-  for (const Unit& u : units) by_query = by_query || u.rows > 1;
-  const int64_t score_rows = by_query ? 16 * G : G;
+  const int64_t score_rows = most_rows * G;
   int64_t rows_total = 0;
   for (int64_t b = 0; b < B; ++b) rows_total += lens[b] * KVH;
   const int64_t W = rows_total < 512 ? 1 : std::min<int64_t>(at::get_num_threads(), nunits);
   at::parallel_for(0, W, 1, [&](int64_t w0, int64_t w1) {
-    // scores (16 rows x G, cap), words (16 x G, DW), transposed words, key tiles, buffers
-    const int64_t need = score_rows * cap + 16 * DW + DW * 16 + 16 * DW + 4 * DW * 16 + 512;
+    // scores (rows x G, cap), query words (rows x G, DW), a key tile, transposed key tiles
+    const int64_t need = score_rows * cap + score_rows * DW + 16 * DW + 4 * DW * 16;
     Scratch scratch(need);
     float* s = scratch.p;
     uint32_t* qw = reinterpret_cast<uint32_t*>(s + score_rows * cap);
-    uint32_t* qt = qw + 16 * DW;  // qw: (16 rows or G heads, DW) words; qt: (DW, 16)
-    uint32_t* tile = qt + DW * 16;
+    uint32_t* tile = qw + score_rows * DW;
     uint32_t* kt = tile + 16 * DW;
-    float* buf = reinterpret_cast<float*>(kt + 4 * DW * 16);
-    PvChain chains[16 * 16];  // 16 rows x G <= 16 heads
+    PvChain chains[kUnitRows * 16];  // rows x G <= 16 heads
     for (int64_t w = w0; w < w1; ++w)
       for (int64_t t = w; t < nunits; t += W) {
         const Unit u = units[t];
         const int64_t* table = tables + u.b0 * width;
         const BFloat16Bits *kh = kc + u.h * D, *vh = vc + u.h * D;
-        if (u.rows == 1) {  // by key
-          const int64_t b = u.b0, n = lens[b];
-          // scores of head g at s + g * cap
-          to_words(q + (b * H + u.h * G) * D, G, D, qw);
-          scores_by_key<DW>(qw, G, kh, table, n, bs, blk, row, s, cap, tile, kt);
-          for (int64_t g = 0; g < G; ++g)
-            chains[g] = {s + g * cap, n, out + (b * H + u.h * G + g) * D, 0.f};
-          softmax_values<NP>(chains, G, vh, table, bs, blk, row);
-          continue;
-        }
-        // by query: rows b0 .. b0 + rows - 1 (positions lens - 1); s row of (l, g): l * G + g
-        const int64_t n_last = lens[u.b0 + u.rows - 1];
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t l = 0; l < 16; ++l) {
-            uint32_t* dst = qw + l * DW;
-            if (l < u.rows)
-              to_words(q + ((u.b0 + l) * H + u.h * G + g) * D, 1, D, dst);
-            else
-              std::memset(dst, 0, DW * 4);
-          }
-          for (int c = 0; c < DW / 16; ++c)  // (16 rows, DW) -> (DW, 16)
-            kvserve_simd::transpose16(reinterpret_cast<const float*>(qw + 16 * c), DW,
-                                      reinterpret_cast<float*>(qt + 256 * c), 16);
-          // row l's scores for head g land at s + (l * G + g) * cap: stride G * cap
-          scores_by_query<DW>(qt, kh, table, n_last, bs, blk, row, s + g * cap, G * cap, buf);
-        }
+        // chain (l, g) = l * G + g: row b0 + l (position lens - 1), query head h * G + g
+        for (int64_t l = 0; l < u.rows; ++l)
+          to_words(q + ((u.b0 + l) * H + u.h * G) * D, G, D, qw + l * G * DW);
+        const int64_t C = u.rows * G, n_last = lens[u.b0 + u.rows - 1];
+        scores_by_key<DW>(qw, C, kh, table, n_last, bs, blk, row, s, cap, tile, kt);
         for (int64_t l = 0; l < u.rows; ++l)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t b = u.b0 + l;
             chains[l * G + g] = {s + (l * G + g) * cap, lens[b], out + (b * H + u.h * G + g) * D,
                                  0.f};
           }
-        softmax_values<NP>(chains, u.rows * G, vh, table, bs, blk, row);
+        softmax_values<NP>(chains, C, vh, table, bs, blk, row);
       }
   });
 }

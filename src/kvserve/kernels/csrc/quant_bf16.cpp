@@ -339,9 +339,17 @@ void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8
   const int64_t kGroup = M > 2 * kMaxMTBf16 ? 4 : 1;
   const int64_t ngroups = (ntiles + kGroup - 1) / kGroup;
   const int64_t ggrain = std::max<int64_t>(1, grain / kGroup);
+  // Activation rows in blocks of kRowBlock (a 1024-value chunk of 128 rows: 256 KiB, in L2):
+  // all M rows per weight group streamed the activations from L3 for every 16 weight rows.
+  // Zen 5, 2 threads, the default model's gate/up, down and qkv shapes, against oneDNN on the
+  // dequantized weight: 512 rows 1.29x -> 1.13x its time, 2048 rows 1.24x -> 1.16x (64-row
+  // and 256-row blocks measured slower). A block re-decodes the weights, 1/128 of its
+  // products. Each sum's order is unchanged (chunks in increasing k).
+  constexpr int64_t kRowBlock = 128;
   at::parallel_for(0, ngroups, ggrain, [&](int64_t g0, int64_t g1) {
     alignas(64) float wf[kChunk];                         // one row's chunk, float32
     alignas(64) uint16_t wbuf[4 * kNR * kChunk];          // (tiles, kNR, kChunk) bf16, 32 KiB
+    for (int64_t mb0 = 0; mb0 < M; mb0 += kRowBlock)
     for (int64_t grp = g0; grp < g1; ++grp) {
       const int64_t t_lo = grp * kGroup, t_hi = std::min(ntiles, t_lo + kGroup);
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
@@ -360,8 +368,9 @@ void quant_matmul_bf16_raw(const uint16_t* xp, int64_t M, int64_t K, const uint8
             }
           }
         }
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxMTBf16) {
-          const int mt = static_cast<int>(std::min<int64_t>(kMaxMTBf16, M - m0));
+        const int64_t mb1 = std::min(M, mb0 + kRowBlock);
+        for (int64_t m0 = mb0; m0 < mb1; m0 += kMaxMTBf16) {
+          const int mt = static_cast<int>(std::min<int64_t>(kMaxMTBf16, mb1 - m0));
           for (int64_t t = t_lo; t < t_hi; ++t) {
             const int64_t n0 = t * kNR;
             const int nr = static_cast<int>(std::min<int64_t>(kNR, N - n0));
