@@ -1,5 +1,5 @@
 // paged_attention_dp.cpp: paged attention over a bfloat16 cache in one order for decode rows
-// and prefill chunks alike (scores by VDPBF16PS chains over dim pairs), for CPUs with
+// and prefill chunks alike (scores and P . V by VDPBF16PS chains), for CPUs with
 // AVX-512-BF16. Raw pointers, no checks: the caller (paged_attend_raw) has checked them.
 #pragma once
 
