@@ -61,9 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     t = int(qtype)
     ways = {
         "kernel": lambda x, q, wb, n, k: torch.ops.kvserve.quant_matmul_bf16(x[k], q, t, n, 0),
-        "fixed": lambda x, q, wb, n, k: torch.ops.kvserve.quant_matmul_bf16(
-            x[k], q, t, n, 0, True
-        ),
+        "fixed": lambda x, q, wb, n, k: torch.ops.kvserve.quant_matmul_bf16(x[k], q, t, n, 0, True),
         "deq": lambda x, q, wb, n, k: F.linear(x[k], torch.ops.kvserve.dequantize_bf16(q, t, n, k)),
         "dense": lambda x, q, wb, n, k: F.linear(x[k], wb),
     }
