@@ -244,7 +244,8 @@ KV_DP void pv_set(const PvChain* ch, const BFloat16Bits* vc, const int64_t* tabl
     common = std::min(common, ch[k].n / 2);
     most = std::max(most, ch[k].n / 2);
   }
-  const int64_t reach = 2 * most + 1;  // rows any chain reads
+  int64_t reach = 0;  // rows any chain reads (past them the table may have no block)
+  for (int k = 0; k < K; ++k) reach = std::max(reach, ch[k].n);
   if (prefetch) prefetch_rows(vc, table, 0, std::min<int64_t>(reach, 32), bs, blk, row, D);
   // pairs block by block: with an even block size a pair never straddles two blocks, so its
   // rows are `row` apart and the table is read once per block (a key_row per row, a division
