@@ -46,7 +46,12 @@ from kvserve.models.weight_formats import fix_summation_order
 logger = logging.getLogger(__name__)
 
 # decode_layers' per-weight flag for each QuantPolicy path (any other: 0, the float32 kernel)
-KERNEL_FLAGS = {"bf16 kernel": 1, "amx kernel": 2, "bf16 kernel, fixed order": 3}
+KERNEL_FLAGS = {
+    "bf16 kernel": 1,
+    "amx kernel": 2,
+    "bf16 kernel, fixed order": 3,
+    "bf16 kernel, interleaved": 4,
+}
 
 
 class FusedDecode:
@@ -81,7 +86,8 @@ class FusedDecode:
             self.max_rows = 1 << 62
         self.isa = layers[0][0].policy.isa
         # rows -> per weight: 0 the float32 kernel, 1 the bf16 kernel, 2 the bf16 one on AMX,
-        # 3 the bf16 one in its fixed order (one set for every row count)
+        # 3 the bf16 one in its fixed order, 4 the interleaved one (3 and 4: one set for every
+        # row count)
         self._bf16_flags: dict[int, list[int]] = {}
 
     @classmethod

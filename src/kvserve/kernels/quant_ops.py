@@ -12,6 +12,9 @@
 - ``bf16 kernel, fixed order`` (``fixed_order``: batch-invariant mode, a bfloat16 model on a
   CPU with AVX-512-BF16): the bf16 kernel at every row count, each output summed in one order whatever
   the row count, so a request's numbers do not depend on its batch (ARCHITECTURE.md);
+- ``bf16 kernel, interleaved`` (``fixed_order`` and ``interleaved``: the same mode, a weight
+  whose format has an interleaved layout, ``kernels/interleaved_weights.py``): the weight's 16-row
+  groups times bfloat16 activations, scales applied per block, one order at every row count;
 - ``dequant+matmul``: the C++ dequantizer into a float32 weight (a bfloat16 model on a CPU
   with native bfloat16: straight into a bf16 weight, ``dequantize_bf16``), then ``F.linear``
   (oneDNN);
@@ -53,6 +56,9 @@ class QuantPolicy:
     # "Bitwise invariance"); the thresholds above are then unused. Set for a bfloat16 model on
     # a CPU with AVX-512-BF16.
     fixed_order: bool = False
+    # with fixed_order: the module's qweight holds the interleaved layout
+    # (kernels/interleaved_weights.py) and multiplies through kvserve::interleaved_matmul_bf16
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.isa not in (-1, 0, 1, 2):
@@ -72,13 +78,15 @@ class QuantPolicy:
 
         if self.fixed_order and not (self.use_kernels and self.native_bf16):
             raise ValueError("fixed_order needs the kernels (use_kernels) and native_bf16")
+        if self.interleaved and not self.fixed_order:
+            raise ValueError("interleaved needs fixed_order (batch-invariant mode)")
 
     def path(self, rows: int, bf16: bool = False) -> str:
         """The path ``rows`` activation rows take (``bf16``: the activations are bfloat16)."""
         if not self.use_kernels:
             return "reference"
         if self.fixed_order:
-            return "bf16 kernel, fixed order"
+            return "bf16 kernel, interleaved" if self.interleaved else "bf16 kernel, fixed order"
         if rows <= self.kernel_max_rows:
             return "kernel"
         if bf16 and rows <= self.bf16_kernel_max_rows:
@@ -97,9 +105,11 @@ def quant_linear(
     x2 = x.reshape(-1, k)  # (M, K)
     rows = x2.shape[0]
     if policy.fixed_order:  # every row count: one summation order (a float32 x is rounded)
-        y = torch.ops.kvserve.quant_matmul_bf16(
-            x2.to(torch.bfloat16).contiguous(), qweight, qtype, out_features, 0, True
-        )
+        xb = x2.to(torch.bfloat16).contiguous()
+        if policy.interleaved:
+            y = torch.ops.kvserve.interleaved_matmul_bf16(xb, qweight, qtype, out_features)
+        else:
+            y = torch.ops.kvserve.quant_matmul_bf16(xb, qweight, qtype, out_features, 0, True)
         return y.to(x.dtype).view(*x.shape[:-1], out_features)
     if policy.use_kernels and rows <= policy.kernel_max_rows:  # the decode hot path
         y = torch.ops.kvserve.quant_matmul(

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels.build import load_kernels
+from kvserve.kernels.interleaved_weights import deinterleave, interleave
 from kvserve.kernels.quant_ops import QuantPolicy, quant_linear
 from kvserve.kernels.quant_ref import block_size as quant_block_size
 from kvserve.kernels.quant_ref import dequantize_ref, dequantize_rows
@@ -71,7 +72,21 @@ class QuantizedLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized float32 weight (N, K): for export and tests, never the hot path."""
-        return dequantize_ref(self.qweight, self.qtype, self.out_features, self.in_features)
+        return dequantize_ref(self.gguf_rows(), self.qtype, self.out_features, self.in_features)
+
+    def gguf_rows(self) -> torch.Tensor:
+        """The weight as GGUF rows (N, row_bytes), whatever layout ``qweight`` holds."""
+        if self.policy.interleaved:
+            return deinterleave(self.qweight, self.qtype, self.out_features, self.in_features)
+        return self.qweight
+
+    def interleave(self, policy: QuantPolicy) -> None:
+        """Hold the weight in the interleaved layout (kernels/interleaved_weights.py) and
+        multiply by ``policy`` (``interleaved`` set), in place; the GGUF rows are dropped
+        (a tied embedding keeps its own reference to them)."""
+        assert policy.interleaved and not self.policy.interleaved
+        self.qweight = interleave(self.qweight, self.qtype, self.out_features, self.in_features)
+        self.policy = policy
 
     def extra_repr(self) -> str:
         return (

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from kvserve.kernels.build import load_kernels
+from kvserve.kernels.interleaved_weights import interleavable
 from kvserve.kernels.quant_ref import quantize
 from kvserve.models.gguf_checkpoint import QuantizedTensor
 from kvserve.models.packed_linear import PackedLinear
@@ -80,7 +81,8 @@ def describe_policy(policy: QuantPolicy) -> str:
     if not policy.use_kernels:
         return "reference (PyTorch dequantize + matmul)"
     if policy.fixed_order:
-        return "bf16 kernel (avx512_bf16), fixed order at every row count"
+        layout = "interleaved rows" if policy.interleaved else "GGUF rows"
+        return f"bf16 kernel (avx512_bf16) on {layout}, fixed order at every row count"
     isa = ISA_NAMES[policy.isa if policy.isa >= 0 else 2]
     text = f"kernel ({isa}) up to {policy.kernel_max_rows} rows"
     if policy.bf16_kernel_max_rows > policy.kernel_max_rows:
@@ -308,7 +310,13 @@ def fix_summation_order(model: nn.Module) -> str:
     if not torch.ops.kvserve.cpu_has_avx512_bf16():
         return "the CPU lacks AVX-512-BF16 (the fixed-order kernel's VDPBF16PS)"
     for m in quantized:
-        m.policy = dataclasses.replace(
+        policy = dataclasses.replace(
             m.policy, kernel_max_rows=0, bf16_kernel_max_rows=0, amx_min_rows=0, fixed_order=True
         )
+        if interleavable(m.qtype) and not m.policy.interleaved:
+            # the interleaved kernel (quant_interleaved.cpp): the same fixed order at every row
+            # count, 1.6-2.5x the dot kernel's speed at one row, 1.1-1.6x at 64
+            m.interleave(dataclasses.replace(policy, interleaved=True))
+        elif not m.policy.interleaved:
+            m.policy = policy
     return ""

@@ -34,7 +34,9 @@
 //                bf16 kernel (quant_matmul_bf16_raw), its input rounded to bfloat16 first (a
 //                bfloat16 model on an AVX-512-BF16 CPU, at row counts where that is faster);
 //                bf16[j] == 2: that kernel's AMX tiles (quant_amx.cpp); bf16[j] == 3: that
-//                kernel in its fixed order (quant_bf16.cpp), the same bits at any B
+//                kernel in its fixed order (quant_bf16.cpp), the same bits at any B;
+//                bf16[j] == 4: qweights[j] holds the interleaved layout, multiplied by
+//                quant_interleaved.cpp (its one order, the same bits at any B)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -104,6 +106,12 @@ void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t
              int64_t N, int64_t bf16, int64_t isa, std::vector<uint16_t>& xb, float* out) {
   if (bf16) {
     kvserve_quant::f32_to_bf16(in, B * K, xb.data());
+    if (bf16 == 4) {
+      const bool ran = kvserve_quant::interleaved_matmul_bf16_raw(xb.data(), B, K,
+                                                                  w.data_ptr<uint8_t>(), qtype, N, out);
+      TORCH_CHECK(ran, "decode_layers: the interleaved kernel cannot run type ", qtype);
+      return;
+    }
     kvserve_quant::quant_matmul_bf16_raw(xb.data(), B, K, w.data_ptr<uint8_t>(), qtype, N, out,
                                          bf16 == 2 ? 1 : 0, bf16 == 3);
   } else {
@@ -111,13 +119,23 @@ void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t
   }
 }
 
-// quant_matmul's weight check, with the layer named; the raw loops also need CPU, contiguous.
+// quant_matmul's weight check (interleaved: the (ceil(n / 16), k / 32, bytes) shape), with
+// the layer named; the raw loops also need CPU, contiguous.
 void check_layer_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
-                        const char* what, int64_t layer) {
-  try {
-    kvserve_quant::check_weight(w, qtype, n, k);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "decode_layers: layer ", layer, " ", what, ": ", e.msg());
+                        const char* what, int64_t layer, bool interleaved) {
+  if (interleaved) {
+    const int64_t bytes = kvserve_quant::interleaved_block_bytes(qtype);
+    TORCH_CHECK(bytes > 0 && k % 32 == 0 && w.scalar_type() == at::kByte && w.dim() == 3 &&
+                    w.size(0) == (n + 15) / 16 && w.size(1) == k / 32 && w.size(2) == bytes,
+                "decode_layers: layer ", layer, " ", what, ": an interleaved weight of type ",
+                qtype, " (", n, ", ", k, ") must be uint8 (", (n + 15) / 16, ", ", k / 32, ", ",
+                bytes, "), got ", w.scalar_type(), " ", w.sizes());
+  } else {
+    try {
+      kvserve_quant::check_weight(w, qtype, n, k);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "decode_layers: layer ", layer, " ", what, ": ", e.msg());
+    }
   }
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), "decode_layers: layer ", layer, " ",
               what, " must be a contiguous CPU tensor");
@@ -169,15 +187,19 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
       TORCH_CHECK(norms[2 * l + j].scalar_type() == at::kFloat &&
                       norms[2 * l + j].numel() == hidden && norms[2 * l + j].is_contiguous(),
                   "decode_layers: layer ", l, " norm ", j, " must be (", hidden, ",) float32");
-    check_layer_weight(qweights[4 * l], qtypes[4 * l], qkv_n, hidden, "qkv_proj", l);
-    check_layer_weight(qweights[4 * l + 1], qtypes[4 * l + 1], hidden, H * D, "o_proj", l);
-    check_layer_weight(qweights[4 * l + 2], qtypes[4 * l + 2], 2 * I, hidden, "gate_up_proj", l);
-    check_layer_weight(qweights[4 * l + 3], qtypes[4 * l + 3], hidden, I, "down_proj", l);
+    const int64_t j = 4 * l;
+    check_layer_weight(qweights[j], qtypes[j], qkv_n, hidden, "qkv_proj", l, bf16[j] == 4);
+    check_layer_weight(qweights[j + 1], qtypes[j + 1], hidden, H * D, "o_proj", l,
+                       bf16[j + 1] == 4);
+    check_layer_weight(qweights[j + 2], qtypes[j + 2], 2 * I, hidden, "gate_up_proj", l,
+                       bf16[j + 2] == 4);
+    check_layer_weight(qweights[j + 3], qtypes[j + 3], hidden, I, "down_proj", l,
+                       bf16[j + 3] == 4);
   }
   for (int64_t j = 0; j < 4 * L; ++j) {
-    TORCH_CHECK(bf16[j] >= 0 && bf16[j] <= 3, "decode_layers: bf16[", j, "] is ", bf16[j],
-                "; 0 (float32 kernel), 1 (bf16 kernel), 2 (bf16 kernel on AMX tiles) or 3 "
-                "(bf16 kernel, fixed order)");
+    TORCH_CHECK(bf16[j] >= 0 && bf16[j] <= 4, "decode_layers: bf16[", j, "] is ", bf16[j],
+                "; 0 (float32 kernel), 1 (bf16 kernel), 2 (bf16 kernel on AMX tiles), 3 "
+                "(bf16 kernel, fixed order) or 4 (interleaved kernel)");
     TORCH_CHECK(!bf16[j] || kvserve_quant::has_avx512_bf16(), "decode_layers: weight ", j,
                 " asks for the bf16 kernel, which needs AVX-512-BF16 (this CPU lacks it)");
   }
@@ -200,7 +222,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   // where it runs (a bfloat16 cache on AVX-512-BF16); elsewhere the decode kernel, itself the
   // same per row whatever the batch
   bool one_order = cache_dtype == at::kBFloat16 && kvserve_attn::attend_dp_available(H, KVH, D);
-  for (int64_t j = 0; j < 4 * L; ++j) one_order = one_order && bf16[j] == 3;
+  for (int64_t j = 0; j < 4 * L; ++j) one_order = one_order && (bf16[j] == 3 || bf16[j] == 4);
   const float fscale = static_cast<float>(scale);  // as ATen's float op with a scalar
   at::Tensor x = x_in.contiguous().clone();  // the residual stream, updated in place
   if (B == 0) return x;

@@ -150,6 +150,15 @@ void quant_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_
                            int64_t qtype, int64_t N, float* out, int64_t amx_min_rows = 0,
                            bool fixed_order = false);
 
+// out (M, N) float32 = x (M, K) bfloat16 times a weight repacked into 16-row groups
+// (quant_interleaved.cpp: the layout, and the one summation order it keeps at every M). No
+// shape checks; false (nothing written) where the CPU lacks AVX-512-BF16, K is not a multiple
+// of 32 or qtype has no packed layout (Q4_0, Q4_1, Q8_0 have).
+// Bytes of one (group, block) of the interleaved layout of qtype; 0 when it has none.
+int64_t interleaved_block_bytes(int64_t qtype);
+bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed,
+                            int64_t qtype, int64_t N, float* out);
+
 // True on an x86-64 Linux CPU with AMX-TILE + AMX-BF16 (and AVX-512-BF16) whose kernel
 // granted this process the tile state.
 bool has_amx_bf16();

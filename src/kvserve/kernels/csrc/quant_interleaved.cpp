@@ -1,0 +1,410 @@
+// kvserve::interleaved_matmul_bf16: bfloat16 activations times GGUF weights interleaved at
+// load into groups of 16 rows (kvserve/kernels/interleaved_weights.py), in ONE summation order per output
+// element at every row count: the same bits for a row whether it is alone (a decode), one of
+// 64 (a batch) or one of 2000 (a prefill), on any thread.
+//
+//   x       (M, K) bfloat16, contiguous
+//   w       (ceil(N / 16), K / 32, group_block_bytes) uint8, the layout below
+//   out     (M, N) float32
+//
+// One (group g, block b) holds weight rows n = 16g + i (i < 16; rows past N are zero) and
+// values k = 32b .. 32b + 31, in GGUF's own bytes per value:
+//   Q4_0  d[16] fp16 | codes[8][32]              288 bytes = 16 x 18
+//   Q4_1  d[16] fp16 | m[16] fp16 | codes[8][32]   320 bytes = 16 x 20
+//   Q8_0  d[16] fp16 | q[16][32] int8            544 bytes = 16 x 34
+// Q4 chunk c, byte 2i + j: low nibble q[i][4c + j], high nibble q[i][4c + 2 + j]; Q8 chunk p,
+// byte 2i + j: q[i][2p + j]. A chunk half widened to words and looked up in a 32-entry table
+// (vpermw reads an index's low 5 bits, so the table repeats the 16 codes' values and the high
+// nibble's bit 4 never matters) is one zmm of bfloat16 pairs, lane i row i's pair for k
+// (2p, 2p + 1): what VDPBF16PS multiplies against a broadcast activation pair. The codes are
+// small integers (q - 8, q, or int8 q), exact in bfloat16, and their products with bfloat16
+// activations exact in float32, so only the adds round.
+//
+// The order, per output element (m, n), whatever M, the register tile or the thread:
+//   acc = 0
+//   for each block b, in increasing k:
+//     s = 0; for each pair p of the block in increasing k: s = VDPBF16PS(s, x pair, code pair)
+//     acc = fma(d[n, b], s, acc)
+//     Q4_1 also: acc = fma(m[n, b], xsum[m, b], acc)   (xsum: the block's 32 activations,
+//                                                        summed per row in one order, below)
+// Several blocks' s run side by side (independent chains hide VDPBF16PS's latency) and are
+// folded into acc in block order, so how many run together never changes a sum.
+//
+// Why: the fixed-order dot tiles of quant_bf16.cpp sum 16 lanes of k per output and reduce
+// them at the end, which suits one row but costs a transpose-add tree per output and keeps
+// many-row calls ~15% behind oneDNN; here lanes are output rows, so a weight chunk expanded
+// once feeds every activation row of the tile, and the scale is applied once per block
+// instead of being multiplied into every weight (the dequantize-then-round path's per-value
+// float work and its bfloat16 rounding of each weight are gone: this is closer to the float32
+// dequantized product, not equal to the bfloat16-rounded one).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "quant_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace kvserve_quant {
+
+namespace {
+
+constexpr int64_t kGroupRows = 16;  // weight rows per group: one zmm of float32 lanes
+
+#if defined(__x86_64__)
+// The whole kernel in one target region: its lambdas (the per-block fold, parallel_for's
+// body) need the ISA too, which a function attribute does not pass on to them.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")
+#endif
+#define KV_PK
+
+KV_PK inline __m512bh bcast_pair(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(v));
+}
+
+// bfloat16 bits of small integers: word i of the table = bf16(i % 16 + offset)
+KV_PK inline __m512i code_table(int offset) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>(i % 16 + offset);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers
+  }
+  return _mm512_load_si512(t);
+}
+
+// s[g][f][m] += the products of group g's block f with activation rows m < MR: groups g < NG
+// at blk + g * gstride, blocks f < BF at + f * kBytes, x rows ldx apart from block 0's first
+// value. Chunks of all NG x BF blocks are interleaved so that NG x BF x MR independent
+// VDPBF16PS chains are in flight (one block after another, the out-of-order window overlapped
+// too few), and each activation pair broadcast feeds the NG groups (one broadcast per product
+// was half the instructions).
+struct Q4Codes {
+  template <int MR, int BF, int NG>
+  KV_PK static inline void products(const uint8_t* codes, int64_t stride, int64_t gstride,
+                                    const __m512i table, const uint16_t* x, int64_t ldx,
+                                    __m512 (&s)[NG][BF][MR]) {
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c)
+#pragma GCC unroll 4
+      for (int f = 0; f < BF; ++f) {
+        __m512bh lo[NG], hi[NG];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g) {
+          const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(codes + g * gstride + f * stride + 32 * c)));
+          lo[g] = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(w, table));
+          hi[g] = reinterpret_cast<__m512bh>(
+              _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
+        }
+        const uint16_t* xf = x + 32 * f + 4 * c;
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const __m512bh a = bcast_pair(xf + m * ldx);
+#pragma GCC unroll 4
+          for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], lo[g], a);
+        }
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const __m512bh a = bcast_pair(xf + m * ldx + 2);
+#pragma GCC unroll 4
+          for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], hi[g], a);
+        }
+      }
+  }
+};
+
+struct Q4_0Rows16 {
+  static constexpr int64_t kBytes = 288, kHead = 32;
+  static constexpr bool kHasMin = false;
+  KV_PK static inline __m512i table() { return code_table(-8); }
+  template <int MR, int BF, int NG>
+  KV_PK static inline void products(const uint8_t* blk, int64_t gstride, const __m512i table,
+                                    const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
+    Q4Codes::products<MR, BF, NG>(blk + kHead, kBytes, gstride, table, x, ldx, s);
+  }
+};
+
+struct Q4_1Rows16 {
+  static constexpr int64_t kBytes = 320, kHead = 64;
+  static constexpr bool kHasMin = true;
+  KV_PK static inline __m512i table() { return code_table(0); }
+  template <int MR, int BF, int NG>
+  KV_PK static inline void products(const uint8_t* blk, int64_t gstride, const __m512i table,
+                                    const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
+    Q4Codes::products<MR, BF, NG>(blk + kHead, kBytes, gstride, table, x, ldx, s);
+  }
+};
+
+struct Q8_0Rows16 {
+  static constexpr int64_t kBytes = 544, kHead = 32;
+  static constexpr bool kHasMin = false;
+  KV_PK static inline __m512i table() { return _mm512_setzero_si512(); }
+  template <int MR, int BF, int NG>
+  KV_PK static inline void products(const uint8_t* blk, int64_t gstride, const __m512i,
+                                    const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p)
+#pragma GCC unroll 4
+      for (int f = 0; f < BF; ++f) {
+        __m512bh w[NG];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; ++g) {
+          const __m128i* src = reinterpret_cast<const __m128i*>(blk + g * gstride + f * kBytes +
+                                                                kHead + 32 * p);
+          const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+          const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+          w[g] = _mm512_cvtne2ps_pbh(b, a);  // exact: |q| <= 128
+        }
+        const uint16_t* xf = x + 32 * f + 2 * p;
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          const __m512bh a = bcast_pair(xf + m * ldx);
+#pragma GCC unroll 4
+          for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], w[g], a);
+        }
+      }
+  }
+};
+
+// out[m * ldo + 16 g + i] for rows m < MR, groups g < NG (gstride bytes apart; the last one's
+// lanes in `mask`): the order at the top, BF blocks' chains side by side. wg: group 0's first
+// block; xs: the rows' block sums (Q4_1; nb apart). The running sums live in an L1 buffer, not
+// registers: every register goes to the chains.
+template <typename Fmt, int MR, int BF, int NG>
+KV_PK void tile(const uint8_t* wg, int64_t gstride, int64_t nb, const uint16_t* x, int64_t ldx,
+                const float* xs, float* out, int64_t ldo, __mmask16 mask) {
+  const __m512i table = Fmt::table();
+  alignas(64) float acc[NG][MR][16] = {};
+  // acc = fma(d, s, acc) (Q4_1: then fma(min, xsum, acc)) for block b of each group
+  auto fold = [&](int64_t b, const __m512 (&s)[NG][BF][MR], int f) {
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      const uint8_t* blk = wg + g * gstride + b * Fmt::kBytes;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+      __m512 mn = _mm512_setzero_ps();
+      if constexpr (Fmt::kHasMin)
+        mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        __m512 a = _mm512_fmadd_ps(d, s[g][f][m], _mm512_load_ps(acc[g][m]));
+        if constexpr (Fmt::kHasMin) a = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * nb + b]), a);
+        _mm512_store_ps(acc[g][m], a);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + BF <= nb; b += BF) {
+    __m512 s[NG][BF][MR];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 4
+      for (int f = 0; f < BF; ++f)
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) s[g][f][m] = _mm512_setzero_ps();
+    Fmt::template products<MR, BF, NG>(wg + b * Fmt::kBytes, gstride, table, x + 32 * b, ldx, s);
+#pragma GCC unroll 4
+    for (int f = 0; f < BF; ++f) fold(b + f, s, f);
+  }
+  for (; b < nb; ++b) {
+    __m512 s[NG][1][MR];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) s[g][0][m] = _mm512_setzero_ps();
+    Fmt::template products<MR, 1, NG>(wg + b * Fmt::kBytes, gstride, table, x + 32 * b, ldx, s);
+    auto fold1 = [&](int64_t bb, const __m512 (&s1)[NG][1][MR]) {
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g) {
+        const uint8_t* blk = wg + g * gstride + bb * Fmt::kBytes;
+        const __m512 d =
+            _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        __m512 mn = _mm512_setzero_ps();
+        if constexpr (Fmt::kHasMin)
+          mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+#pragma GCC unroll 16
+        for (int m = 0; m < MR; ++m) {
+          __m512 a = _mm512_fmadd_ps(d, s1[g][0][m], _mm512_load_ps(acc[g][m]));
+          if constexpr (Fmt::kHasMin) a = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs[m * nb + bb]), a);
+          _mm512_store_ps(acc[g][m], a);
+        }
+      }
+    };
+    fold1(b, s);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m)
+      _mm512_mask_storeu_ps(out + m * ldo + 16 * g, g == NG - 1 ? mask : __mmask16(0xFFFF),
+                            _mm512_load_ps(acc[g][m]));
+}
+
+// xs[m * nb + b] = the 32 activations of row m's block b summed: VDPBF16PS against ones (lane
+// i: x[2i + 1] + x[2i], in the instruction's order), then the lanes in hsum's order: per row,
+// the same whatever M.
+KV_PK void block_sums(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  const int64_t nb = K / 32;
+  const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3F80));  // bf16 1.0
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const __m512bh v =
+            reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + m * K + 32 * b));
+        const __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), v, ones);
+        // the lanes pairwise at distance 8, 4, 2, 1: a fixed tree
+        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        q = _mm_add_ss(q, _mm_movehdup_ps(q));
+        xs[m * nb + b] = _mm_cvtss_f32(q);
+      }
+  });
+}
+
+// Register tiles: 6 rows x 2 groups x 2 blocks of chains (24 of the 32 registers) in the bulk;
+// fewer rows or one group run more blocks side by side. (12 rows x 2 groups x 1 block, the
+// expansion shared by twice the rows, measured 5-15% slower: Zen 5, one thread, 512-2048 rows.)
+constexpr int kMaxMR = 6;
+
+template <typename Fmt, int NG>
+KV_PK void run_tile(int mr, const uint8_t* wg, int64_t gstride, int64_t nb, const uint16_t* x,
+                    int64_t ldx, const float* xs, float* out, int64_t ldo, __mmask16 mask) {
+  constexpr int kBF = NG == 1 ? 4 : 2;
+  switch (mr) {
+    case 6: return tile<Fmt, 6, NG == 1 ? 4 : 2, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
+    case 5: return tile<Fmt, 5, 2, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
+    case 4: return tile<Fmt, 4, kBF, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
+    case 3: return tile<Fmt, 3, kBF, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
+    case 2: return tile<Fmt, 2, 4, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
+    default: return tile<Fmt, 1, 4, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
+  }
+}
+
+template <typename Fmt>
+void matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+            float* out) {
+  const int64_t nb = K / 32, G = (N + kGroupRows - 1) / kGroupRows;
+  const int64_t gbytes = nb * Fmt::kBytes;
+  std::vector<float> xs;
+  if constexpr (Fmt::kHasMin) {
+    xs.resize(M * nb);
+    block_sums(x, M, K, xs.data());
+  }
+  // Threads split pairs of groups (a tile's two groups); activation rows in blocks that stay
+  // in L2 while every pair of the thread's share passes over them (a pair's weights stay in
+  // L1 for the block's tiles). One row (a decode) takes one group at a time: nothing to share.
+  const int ng = M > 1 ? 2 : 1;
+  const int64_t units = (G + ng - 1) / ng;
+  constexpr int64_t kRowBlock = 96;
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, gbytes * ng));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    for (int64_t mb0 = 0; mb0 < M; mb0 += kRowBlock) {
+      const int64_t mb1 = std::min(M, mb0 + kRowBlock);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t g = u * ng, gn = std::min<int64_t>(ng, G - g);
+        const int64_t rows = std::min<int64_t>(kGroupRows, N - (g + gn - 1) * kGroupRows);
+        const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1u);
+        for (int64_t m0 = mb0, mr = 0; m0 < mb1; m0 += mr) {
+          const int64_t left = mb1 - m0;
+          mr = std::min<int64_t>(kMaxMR, left);
+          const float* xs_m = Fmt::kHasMin ? xs.data() + m0 * nb : nullptr;
+          float* o = out + m0 * N + g * kGroupRows;
+          if (gn == 2)
+            run_tile<Fmt, 2>(static_cast<int>(mr), w + g * gbytes, gbytes, nb, x + m0 * K, K, xs_m, o, N, mask);
+          else
+            run_tile<Fmt, 1>(static_cast<int>(mr), w + g * gbytes, gbytes, nb, x + m0 * K, K, xs_m, o, N, mask);
+        }
+      }
+    }
+  });
+}
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif  // __x86_64__
+
+}  // namespace
+
+int64_t interleaved_block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return 288;
+    case kQ4_1: return 320;
+    case kQ8_0: return 544;
+    default: return 0;
+  }
+}
+
+bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
+                            int64_t qtype, int64_t N, float* out) {
+#if defined(__x86_64__)
+  if (!has_avx512_bf16() || K % 32 != 0) return false;
+  switch (qtype) {
+    case kQ4_0: matmul<Q4_0Rows16>(x, M, K, w, N, out); return true;
+    case kQ4_1: matmul<Q4_1Rows16>(x, M, K, w, N, out); return true;
+    case kQ8_0: matmul<Q8_0Rows16>(x, M, K, w, N, out); return true;
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+at::Tensor interleaved_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                                  int64_t out_features) {
+  TORCH_CHECK(has_avx512_bf16(), "kvserve: interleaved_matmul_bf16 needs AVX-512-BF16, which this "
+              "CPU lacks");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvserve: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "kvserve: x must be a contiguous 2-D bfloat16 tensor, got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  const int64_t bb = interleaved_block_bytes(qtype);
+  TORCH_CHECK(bb > 0, "kvserve: interleaved_matmul_bf16 supports Q4_0, Q4_1 and Q8_0 (GGML types 2, "
+              "3, 8), got type ", qtype);
+  TORCH_CHECK(K % 32 == 0, "kvserve: interleaved_matmul_bf16 needs K a multiple of 32, got ", K);
+  TORCH_CHECK(N > 0, "kvserve: out_features must be positive, got ", N);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
+                  w.size(0) == (N + kGroupRows - 1) / kGroupRows && w.size(1) == K / 32 &&
+                  w.size(2) == bb,
+              "kvserve: the interleaved weight must be contiguous uint8 (", (N + kGroupRows - 1) / kGroupRows,
+              ", ", K / 32, ", ", bb, ") for N=", N, " K=", K, ", got ", w.scalar_type(), " ",
+              w.sizes());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0) return out;
+  const bool ok = interleaved_matmul_bf16_raw(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M,
+                                         K, w.data_ptr<uint8_t>(), qtype, N,
+                                         out.data_ptr<float>());
+  TORCH_CHECK(ok, "kvserve: interleaved_matmul_bf16 could not run");
+  return out;
+}
+
+}  // namespace
+
+}  // namespace kvserve_quant
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("interleaved_matmul_bf16(Tensor x, Tensor w, int qtype, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("interleaved_matmul_bf16", &kvserve_quant::interleaved_matmul_bf16_cpu);
+}
