@@ -19,7 +19,7 @@ When it runs (``FusedDecode.build`` says why not, once, at debug level):
   the CPU has them), as the eager layers would.
 
 With every weight's policy in the bf16 kernel's fixed order (``every_step``: batch-invariant
-mode, ``weight_formats.fix_summation_order``) it runs every step, prefill and mixed ones too: a
+mode, ``fixed_order.fix_summation_order``) it runs every step, prefill and mixed ones too: a
 prefill token is one more row, attending through the decode kernel over its request's blocks up
 to its own position. Then a token's arithmetic does not depend on the step it ran in (its
 batch, its chunk, a prefix hit): the bitwise-invariant default path (ARCHITECTURE.md).
@@ -39,9 +39,9 @@ import torch
 from kvserve.attention.paged import AttentionMetadata
 from kvserve.kernels.build import load_kernels
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.models.fixed_order import fix_summation_order
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.quantized_linear import QuantizedLinear
-from kvserve.models.weight_formats import fix_summation_order
 
 logger = logging.getLogger(__name__)
 

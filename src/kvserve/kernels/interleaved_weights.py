@@ -99,6 +99,16 @@ def deinterleave(rows: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor
     return out[:n].reshape(n, row_bytes(qt, k)).contiguous()
 
 
+def deinterleave_rows(rows: torch.Tensor, qtype: int, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The GGUF rows (len(ids), row_bytes) of weight rows ``ids`` (1-D) of an interleaved
+    weight: their groups gathered and deinterleaved (an embedding lookup in a tied lm_head's
+    weight; 16 rows decoded per id, cheap beside the lookup's dequantize)."""
+    groups = rows[ids // GROUP_ROWS]  # (T, k / 32, block bytes): each id's group
+    t = ids.shape[0]
+    gguf = deinterleave(groups, qtype, t * GROUP_ROWS, k)  # (T * 16, row_bytes)
+    return gguf[torch.arange(t) * GROUP_ROWS + ids % GROUP_ROWS]
+
+
 def interleaved_matmul_ref(x: torch.Tensor, rows: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
     """x (M, K) @ W.T in float64 as the kernel sums it: per block, the activations (rounded to
     bfloat16) against the integer codes, times the block's scale (Q4_1: plus its min times the

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.kernels.build import load_kernels
-from kvserve.kernels.interleaved_weights import deinterleave, interleave
+from kvserve.kernels.interleaved_weights import deinterleave, deinterleave_rows, interleave
 from kvserve.kernels.quant_ops import QuantPolicy, quant_linear
 from kvserve.kernels.quant_ref import block_size as quant_block_size
-from kvserve.kernels.quant_ref import dequantize_ref, dequantize_rows
+from kvserve.kernels.quant_ref import dequantize_ref
 
 
 class QuantizedLinear(nn.Module):
@@ -107,22 +107,35 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings = num_embeddings
         self.embedding_dim = dim
         self.out_dtype = dtype
+        self.interleaved = False  # qweight holds the interleaved layout (a tied lm_head's)
+
+    def use_interleaved(self, qweight: torch.Tensor) -> None:
+        """Look rows up in ``qweight``, this table's interleaved layout (kernels/
+        interleaved_weights.py): a tied lm_head's weight in batch-invariant mode."""
+        self.qweight = qweight
+        self.interleaved = True
+
+    def _rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """GGUF rows (len(flat), row_bytes) of the ids ``flat``."""
+        if self.interleaved:
+            return deinterleave_rows(self.qweight, self.qtype, flat, self.embedding_dim)
+        return self.qweight[flat]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        rows = self._rows(flat)
         if self.qweight.device.type == "cpu" and load_kernels():
             # the C++ dequantizer on the gathered rows: bit for bit the reference (tests/
             # test_quant_kernels.py), ~20 us a decode step against ~90 us in PyTorch ops
-            rows = torch.ops.kvserve.dequantize(
-                self.qweight[flat], self.qtype, flat.shape[0], self.embedding_dim
-            )
+            out = torch.ops.kvserve.dequantize(rows, self.qtype, flat.shape[0], self.embedding_dim)
         else:
-            rows = dequantize_rows(self.qweight, self.qtype, flat, self.embedding_dim)
-        return rows.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
+            out = dequantize_ref(rows, self.qtype, flat.shape[0], self.embedding_dim)
+        return out.to(self.out_dtype).view(*ids.shape, self.embedding_dim)
 
     @property
     def weight(self) -> torch.Tensor:
-        return dequantize_ref(self.qweight, self.qtype, self.num_embeddings, self.embedding_dim)
+        rows = self._rows(torch.arange(self.num_embeddings))
+        return dequantize_ref(rows, self.qtype, self.num_embeddings, self.embedding_dim)
 
 
 def best_time(fn: Callable[[], object], repeat: int) -> float:

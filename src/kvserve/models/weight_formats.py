@@ -16,7 +16,6 @@ row threshold from a measurement on this machine. ``WeightsReport`` says what wa
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter
@@ -28,7 +27,6 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from kvserve.kernels.build import load_kernels
-from kvserve.kernels.interleaved_weights import interleavable
 from kvserve.kernels.quant_ref import quantize
 from kvserve.models.gguf_checkpoint import QuantizedTensor
 from kvserve.models.packed_linear import PackedLinear
@@ -295,28 +293,3 @@ def _finalize_dense(
             report.paths[name] = path
             if make is not None:
                 _set_module(model, module_name, make(module))
-
-
-def fix_summation_order(model: nn.Module) -> str:
-    """Batch-invariant mode: every quantized matmul of ``model`` takes the bf16 kernel in its
-    fixed order at every row count (ARCHITECTURE.md "Bitwise invariance"), in place. Returns
-    why it cannot ("" when done): it needs a bfloat16 model whose quantized weights run the C++
-    kernels on a CPU with AVX-512-BF16."""
-    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    if not quantized:
-        return "no quantized weights (dense weights run oneDNN, whose order is not fixed)"
-    if not all(m.policy.use_kernels and m.policy.native_bf16 for m in quantized):
-        return "the model is not bfloat16 on a native-bf16 CPU with the C++ kernels loaded"
-    if not torch.ops.kvserve.cpu_has_avx512_bf16():
-        return "the CPU lacks AVX-512-BF16 (the fixed-order kernel's VDPBF16PS)"
-    for m in quantized:
-        policy = dataclasses.replace(
-            m.policy, kernel_max_rows=0, bf16_kernel_max_rows=0, amx_min_rows=0, fixed_order=True
-        )
-        if interleavable(m.qtype) and not m.policy.interleaved:
-            # the interleaved kernel (quant_interleaved.cpp): the same fixed order at every row
-            # count, 1.6-2.5x the dot kernel's speed at one row, 1.1-1.6x at 64
-            m.interleave(dataclasses.replace(policy, interleaved=True))
-        elif not m.policy.interleaved:
-            m.policy = policy
-    return ""
