@@ -82,6 +82,25 @@ def test_every_step_runs_the_fixed_order_kernel() -> None:
 
 
 @needs_invariant_path
+def test_the_mode_holds_each_weight_once_interleaved() -> None:
+    """Interleaving (models/fixed_order.py) replaces the GGUF rows: the fused layers' members
+    view the fused weight's groups and the tied embedding reads the lm_head's, so resident
+    bytes do not grow, and the embedding's rows are the same numbers."""
+    from kvserve.models.quantized_linear import QuantizedLinear
+    from kvserve.models.weight_formats import resident_bytes
+
+    model = _llm(num_kv_blocks=16).engine.fused_decode.model
+    plain = LLM(str(default_model_path()), num_kv_blocks=16, enforce_eager=True)
+    base = plain.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.policy.interleaved for m in linears)
+    assert model.model.embed_tokens.interleaved and not base.model.embed_tokens.interleaved
+    assert resident_bytes(model) == resident_bytes(base)
+    ids = torch.tensor([0, 1, 17, 49151, 300])
+    assert torch.equal(model.model.embed_tokens(ids), base.model.embed_tokens(ids))
+
+
+@needs_invariant_path
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
 def test_chunked_prefill_gives_the_same_bits(prompt: list[int], alone: tuple, chunk: int) -> None:
     llm = _llm(enable_prefix_caching=False, num_kv_blocks=64, max_num_batched_tokens=chunk,

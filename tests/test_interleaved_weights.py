@@ -1,0 +1,115 @@
+"""Interleaved weights (kernels/interleaved_weights.py) and their kernel,
+``kvserve::interleaved_matmul_bf16`` (kernels/csrc/quant_interleaved.cpp): the layout is a
+lossless permutation of the GGUF bytes, the kernel equals its float64 twin within float32
+rounding, and a row's result has the same bits at any row count (batch-invariant mode's rule).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.kernels.build import load_kernels
+from kvserve.kernels.interleaved_weights import (
+    deinterleave,
+    deinterleave_rows,
+    interleavable,
+    interleave,
+    interleaved_matmul_ref,
+)
+from kvserve.kernels.quant_ref import dequantize_ref, quantize
+
+TYPES = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
+
+needs_kernel = pytest.mark.skipif(
+    not (load_kernels() and torch.ops.kvserve.cpu_has_avx512_bf16()),
+    reason="the interleaved kernel needs AVX-512-BF16 and the C++ kernels",
+)
+
+
+def _weight(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    torch.manual_seed(seed)
+    w = torch.randn(n, k)
+    w[0] *= 1e4  # extreme scales in one row, tiny in another
+    w[-1] *= 1e-4
+    return quantize(w, qtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n", [1, 16, 37, 192])
+def test_interleaving_is_a_lossless_permutation(qtype: int, n: int) -> None:
+    k = 96
+    q = _weight(qtype, n, k)
+    rows = interleave(q, qtype, n, k)
+    assert rows.shape == (-(-n // 16), k // 32, {2: 288, 3: 320, 8: 544}[qtype])
+    assert torch.equal(deinterleave(rows, qtype, n, k), q)
+    ids = torch.tensor([n - 1, 0, n // 2, 0])
+    assert torch.equal(deinterleave_rows(rows, qtype, ids, k), q[ids])
+
+
+def test_only_32_value_formats_interleave() -> None:
+    assert [t for t in (2, 3, 6, 7, 8, 12, 14) if interleavable(t)] == TYPES
+    with pytest.raises(ValueError, match="no interleaved layout for GGML type 12"):
+        interleave(torch.zeros(16, 144, dtype=torch.uint8), 12, 16, 256)
+    with pytest.raises(ValueError, match=r"qweight must be uint8 \(16, 18\)"):
+        interleave(torch.zeros(16, 17, dtype=torch.uint8), 2, 16, 32)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_twin_is_the_dequantized_product(qtype: int) -> None:
+    """The float64 twin sums per block with scales outside; exactly, that is x @ W.T."""
+    n, k = 40, 128
+    q = _weight(qtype, n, k)
+    x = torch.randn(5, k).to(torch.bfloat16).float()
+    want = x.double() @ dequantize_ref(q, qtype, n, k).double().T
+    got = interleaved_matmul_ref(x, interleave(q, qtype, n, k), qtype, n)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9 * want.abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("n, k", [(37, 64), (192, 576), (50, 1536)])
+def test_kernel_matches_its_twin(qtype: int, n: int, k: int) -> None:
+    q = _weight(qtype, n, k, seed=n + k)
+    rows = interleave(q, qtype, n, k)
+    x = torch.randn(13, k)
+    got = torch.ops.kvserve.interleaved_matmul_bf16(x.to(torch.bfloat16), rows, qtype, n)
+    want = interleaved_matmul_ref(x, rows, qtype, n)
+    # float32 sums of k products: within a few ulps of the largest partial sum
+    tol = 1e-5 * (
+        x.to(torch.bfloat16).double().abs() @ dequantize_ref(q, qtype, n, k).double().abs().T
+    )
+    assert ((got.double() - want).abs() <= tol + 1e-30).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+def test_kernel_gives_a_row_the_same_bits_at_any_row_count(qtype: int) -> None:
+    """The issue's row counts, a tail group (70 rows: 4 groups + 6) and K of 48 blocks (the
+    chains' remainder block when blocks run 2 and 4 side by side)."""
+    n, k = 70, 1536
+    rows = interleave(_weight(qtype, n, k, seed=qtype), qtype, n, k)
+    x = torch.randn(2049, k).to(torch.bfloat16)
+
+    def mm(a: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvserve.interleaved_matmul_bf16(a.contiguous(), rows, qtype, n)
+
+    picks = range(0, 2049, 97)
+    alone = torch.cat([mm(x[i : i + 1]) for i in picks])
+    for m in (1, 3, 17, 64, 129, 512, 2049):
+        got = mm(x[:m])
+        for j, i in enumerate(picks):
+            if i < m:
+                assert torch.equal(got[i], alone[j]), (m, i)
+
+
+@needs_kernel
+def test_kernel_refuses_bad_input_by_name() -> None:
+    rows = interleave(_weight(2, 32, 64), 2, 32, 64)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="interleaved weight must be contiguous uint8"):
+        torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 2, 48)
+    with pytest.raises(RuntimeError, match="supports Q4_0, Q4_1 and Q8_0"):
+        torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 12, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kvserve.interleaved_matmul_bf16(x.float(), rows, 2, 32)
