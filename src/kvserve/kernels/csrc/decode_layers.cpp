@@ -76,6 +76,13 @@ void rms_norm_row(const float* x, const float* w, int64_t n, double eps, float* 
   for (i = 0; i < n; ++i) y[i] = w[i] * (x[i] * r);
 }
 
+// x += y over B rows of n (the residual adds), threads from 64 rows on
+void add_rows(float* x, const float* y, int64_t B, int64_t n) {
+  at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0 * n; i < b1 * n; ++i) x[i] += y[i];
+  });
+}
+
 // rms_norm_row over B rows, split over threads when the batch is large enough to pay for them
 void rms_norm_rows(const float* x, const float* w, int64_t B, int64_t n, double eps, float* y) {
   at::parallel_for(0, B, 16, [&](int64_t b0, int64_t b1) {
@@ -105,7 +112,11 @@ inline void store_row(const float* src, int64_t n, T* dst) {
 void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t qtype,
              int64_t N, int64_t bf16, int64_t isa, std::vector<uint16_t>& xb, float* out) {
   if (bf16) {
-    kvserve_quant::f32_to_bf16(in, B * K, xb.data());
+    // rows split over threads from 64 on (a prefill chunk: ~6.5M values a layer at 2000 rows,
+    // ~3 ms on one thread); each value rounds the same way on any thread
+    at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
+      kvserve_quant::f32_to_bf16(in + b0 * K, (b1 - b0) * K, xb.data() + b0 * K);
+    });
     if (bf16 == 4) {
       const bool ran = kvserve_quant::interleaved_matmul_bf16_raw(xb.data(), B, K,
                                                                   w.data_ptr<uint8_t>(), qtype, N, out);
@@ -245,26 +256,29 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     rms_norm_rows(xp, w_in, B, hidden, eps, h.data());
     const int64_t j = 4 * l;  // this layer's first weight
     project(h.data(), B, hidden, qweights[j], qtypes[j], qkv_n, bf16[j], isa, xb, qkv.data());
-    for (int64_t b = 0; b < B; ++b) {
-      float* r = &qkv[b * qkv_n];  // [q (H D) | k (KVH D) | v (KVH D)]
-      rotate_heads(r, H + KVH, D, cp + b * D, snp + b * D);  // q and k are adjacent
-      for (int64_t i = 0; i < H * D; ++i) q[b * H * D + i] = r[i] * fscale;
-      const int64_t off = sp[b] * row;
-      const float *k = r + H * D, *v = k + row;
-      switch (cache_dtype) {
-        case at::kFloat:
-          std::memcpy(reinterpret_cast<float*>(kc) + off, k, row * sizeof(float));
-          std::memcpy(reinterpret_cast<float*>(vc) + off, v, row * sizeof(float));
-          break;
-        case at::kBFloat16:
-          store_row(k, row, reinterpret_cast<c10::BFloat16*>(kc) + off);
-          store_row(v, row, reinterpret_cast<c10::BFloat16*>(vc) + off);
-          break;
-        default:
-          store_row(k, row, reinterpret_cast<c10::Half*>(kc) + off);
-          store_row(v, row, reinterpret_cast<c10::Half*>(vc) + off);
+    // per row (its own slot): threads from 32 rows on, a prefill chunk's (~1 us a row)
+    at::parallel_for(0, B, 32, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        float* r = &qkv[b * qkv_n];  // [q (H D) | k (KVH D) | v (KVH D)]
+        rotate_heads(r, H + KVH, D, cp + b * D, snp + b * D);  // q and k are adjacent
+        for (int64_t i = 0; i < H * D; ++i) q[b * H * D + i] = r[i] * fscale;
+        const int64_t off = sp[b] * row;
+        const float *k = r + H * D, *v = k + row;
+        switch (cache_dtype) {
+          case at::kFloat:
+            std::memcpy(reinterpret_cast<float*>(kc) + off, k, row * sizeof(float));
+            std::memcpy(reinterpret_cast<float*>(vc) + off, v, row * sizeof(float));
+            break;
+          case at::kBFloat16:
+            store_row(k, row, reinterpret_cast<c10::BFloat16*>(kc) + off);
+            store_row(v, row, reinterpret_cast<c10::BFloat16*>(vc) + off);
+            break;
+          default:
+            store_row(k, row, reinterpret_cast<c10::Half*>(kc) + off);
+            store_row(v, row, reinterpret_cast<c10::Half*>(vc) + off);
+        }
       }
-    }
+    });
     if (one_order)  // batch-invariant mode: decode rows and prefill chunks in one order
       kvserve_attn::attend_dp_raw(q.data(), kc, vc, tables.data_ptr<int64_t>(), width,
                                   lens.data_ptr<int64_t>(), B, H, KVH, D, bs, max_len,
@@ -275,7 +289,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
                                      isa, attn.data());
     project(attn.data(), B, H * D, qweights[j + 1], qtypes[j + 1], hidden, bf16[j + 1], isa, xb,
             proj.data());
-    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];
+    add_rows(xp, proj.data(), B, hidden);
 
     rms_norm_rows(xp, w_post, B, hidden, eps, h.data());
     project(h.data(), B, hidden, qweights[j + 2], qtypes[j + 2], 2 * I, bf16[j + 2], isa, xb,
@@ -283,7 +297,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     kvserve_act::silu_mul(gu.data(), B, I, isa, act.data());
     project(act.data(), B, I, qweights[j + 3], qtypes[j + 3], hidden, bf16[j + 3], isa, xb,
             proj.data());
-    for (int64_t i = 0; i < B * hidden; ++i) xp[i] += proj[i];
+    add_rows(xp, proj.data(), B, hidden);
   }
   return x;
 }
