@@ -57,7 +57,12 @@ KERNEL_FLAGS = {
 class FusedDecode:
     """The arguments of ``kvserve::decode_layers`` for one model, gathered once."""
 
-    def __init__(self, model: LlamaForCausalLM, layers: list[tuple[QuantizedLinear, ...]]) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        layers: list[tuple[QuantizedLinear, ...]],
+        every_step: bool = False,
+    ) -> None:
         cfg = model.config
         self.model = model
         self.num_heads = cfg.num_attention_heads
@@ -74,12 +79,16 @@ class FusedDecode:
         self.policies = [q.policy for group in layers for q in group]
         # a bfloat16 model's weights may take the bf16 kernel above the float32 one's rows
         self.bf16 = model.dtype == torch.bfloat16
-        # every weight in the bf16 kernel's fixed order: every step runs here, prefill and
-        # mixed ones too, so a token's numbers are the same in any step (ARCHITECTURE.md
-        # "Bitwise invariance"); else all-decode steps up to the kernels' row thresholds
-        self.every_step = self.bf16 and all(p.fixed_order for p in self.policies)
+        # batch-invariant mode (every weight in a fixed order): every step runs here, prefill
+        # and mixed ones too, so a token's numbers are the same in any step (ARCHITECTURE.md
+        # "Bitwise invariance"); else all-decode steps up to the kernels' row thresholds (a
+        # fixed-order weight, interleaved on the default path, has none: any row count)
+        self.every_step = every_step
+        assert not every_step or (self.bf16 and all(p.fixed_order for p in self.policies))
         self.max_rows = min(
-            max(p.kernel_max_rows, p.bf16_kernel_max_rows if self.bf16 else 0)
+            1 << 62
+            if p.fixed_order
+            else max(p.kernel_max_rows, p.bf16_kernel_max_rows if self.bf16 else 0)
             for p in self.policies
         )
         if self.every_step:
@@ -117,7 +126,7 @@ class FusedDecode:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             groups.append((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
-        fused = cls(model, groups)
+        fused = cls(model, groups, every_step=batch_invariant)
         if fused.max_rows < 1:
             logger.debug("fused decode step off: the quantized kernel never wins here")
             return None
@@ -215,5 +224,6 @@ class FusedDecode:
             self.eps,
             self.scale,
             self.isa,
+            self.every_step,  # batch-invariant mode: attention in one order for every step
         )
         return inner.norm(x.to(self.model.dtype))

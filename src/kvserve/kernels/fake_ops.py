@@ -30,7 +30,12 @@ def register_fakes() -> None:
         return _quant_matmul(x, qweight, qtype, out_features, isa)
 
     @torch.library.register_fake("kvserve::quant_matmul_bf16")
-    def _quant_matmul_bf16(x, qweight, qtype, out_features, amx_min_rows=0):
+    def _quant_matmul_bf16(x, qweight, qtype, out_features, amx_min_rows=0, fixed_order=False):
+        torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
+        return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+    @torch.library.register_fake("kvserve::interleaved_matmul_bf16")
+    def _interleaved_matmul_bf16(x, w, qtype, out_features):
         torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
         return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 

@@ -157,7 +157,7 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              at::TensorList norms, at::TensorList qweights,
                              at::IntArrayRef qtypes, at::IntArrayRef bf16, int64_t num_heads, int64_t intermediate,
-                             double eps, double scale, int64_t isa) {
+                             double eps, double scale, int64_t isa, bool one_order_attention) {
   // ---- checks: everything the raw loops below rely on ----
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "decode_layers: x must be (B, hidden) float32 on CPU, got ", x_in.scalar_type(),
@@ -229,10 +229,12 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   const int64_t max_len = kvserve_attn::check_block_tables(
       tables.data_ptr<int64_t>(), width, lens.data_ptr<int64_t>(), B, bs, NB);
 
-  // fixed-order weights (flag 3: batch-invariant mode) take the attention of one order too,
-  // where it runs (a bfloat16 cache on AVX-512-BF16); elsewhere the decode kernel, itself the
-  // same per row whatever the batch
-  bool one_order = cache_dtype == at::kBFloat16 && kvserve_attn::attend_dp_available(H, KVH, D);
+  // batch-invariant mode (one_order_attention, every weight fixed-order: flags 3, 4) takes the
+  // attention of one order for decode rows and prefill chunks where it runs (a bfloat16 cache
+  // on AVX-512-BF16); elsewhere the decode kernel, itself the same per row whatever the batch
+  // (and faster for long contexts' decodes: the default path's choice)
+  bool one_order = one_order_attention && cache_dtype == at::kBFloat16 &&
+                   kvserve_attn::attend_dp_available(H, KVH, D);
   for (int64_t j = 0; j < 4 * L; ++j) one_order = one_order && (bf16[j] == 3 || bf16[j] == 4);
   const float fscale = static_cast<float>(scale);  // as ATen's float op with a scalar
   at::Tensor x = x_in.contiguous().clone();  // the residual stream, updated in place
@@ -309,6 +311,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       "decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor[] norms, Tensor[] qweights, int[] qtypes, "
       "int[] bf16, "
-      "int num_heads, int intermediate, float eps, float scale, int isa=-1) -> Tensor");
+      "int num_heads, int intermediate, float eps, float scale, int isa=-1, "
+      "bool one_order_attention=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("decode_layers", &decode_layers_cpu); }
