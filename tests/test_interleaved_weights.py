@@ -113,3 +113,50 @@ def test_kernel_refuses_bad_input_by_name() -> None:
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 12, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.kvserve.interleaved_matmul_bf16(x.float(), rows, 2, 32)
+
+
+@needs_kernel
+def test_weights_sharing_one_storage_unaligned_keep_gguf_rows_in_one_order() -> None:
+    """Two unrelated weights in one buffer (as a memory-mapped file would hold them) are not
+    owner and members: they stay GGUF rows, on the dot kernel's fixed order (never on the
+    placeholder policy the load gives weights it means to interleave), and a fused weight with
+    its members interleaves with the members viewing its groups."""
+    from torch import nn
+
+    from kvserve.kernels.quant_ops import QuantPolicy
+    from kvserve.models.fixed_order import interleave_weights
+    from kvserve.models.quantized_linear import QuantizedLinear
+
+    policy = QuantPolicy(use_kernels=True, native_bf16=True, kernel_max_rows=0)
+    k = 64
+    a, b = _weight(2, 20, k, seed=1), _weight(2, 16, k, seed=2)
+    buf = torch.cat([a, b])  # (36, 36): b starts at row 20, not a group boundary of a
+    model = nn.ModuleDict(
+        {
+            "a": QuantizedLinear(buf[:20], 2, k, 20, policy),
+            "b": QuantizedLinear(buf[20:], 2, k, 16, policy),
+        }
+    )
+    assert not interleave_weights(model)
+    for name, q in (("a", a), ("b", b)):
+        m = model[name]
+        assert m.policy.fixed_order and not m.policy.interleaved
+        assert torch.equal(m.qweight, q)
+
+    fused = _weight(3, 48, k, seed=3)
+    model = nn.ModuleDict(
+        {
+            "fused": QuantizedLinear(fused, 3, k, 48, policy),
+            "q": QuantizedLinear(fused[:32], 3, k, 32, policy),
+            "v": QuantizedLinear(fused[32:], 3, k, 16, policy),
+        }
+    )
+    assert interleave_weights(model)
+    x = torch.randn(3, k)
+    whole = model["fused"](x)
+    assert all(m.policy.interleaved for m in model.values())
+    assert model["v"].qweight.untyped_storage().data_ptr() == (
+        model["fused"].qweight.untyped_storage().data_ptr()
+    )
+    assert torch.equal(model["q"](x), whole[:, :32]) and torch.equal(model["v"](x), whole[:, 32:])
+    assert torch.equal(model["v"].gguf_rows(), fused[32:])

@@ -89,11 +89,17 @@ def _fix_sharing(mods: list[nn.Module], interleaved_only: bool) -> bool:
         first, rem = divmod(m.qweight.storage_offset() - owner.qweight.storage_offset(), row_bytes)
         offsets[m] = first if rem == 0 else -1
     embeds = [m for m in mods if isinstance(m, QuantizedEmbedding)]
-    aligned = all(o >= 0 and o % GROUP_ROWS == 0 for o in offsets.values()) and all(
-        m is owner or m.out_features % GROUP_ROWS == 0 for m in linears
-    )
+    # members are whole groups of the owner's rows (a storage holding unrelated tensors, as a
+    # memory-mapped file would, fails this and is left in GGUF rows)
+    aligned = all(
+        o >= 0 and o % GROUP_ROWS == 0 and o + m.out_features <= owner.out_features
+        for m, o in offsets.items()
+    ) and all(m is owner or m.out_features % GROUP_ROWS == 0 for m in linears)
     if not (interleavable(owner.qtype) and aligned):
-        if not interleaved_only:
+        if not interleaved_only or interleavable(owner.qtype):
+            # batch-invariant mode, or an interleavable weight the load left unmeasured (its
+            # placeholder policy would send every row count to dequantize + matmul): the dot
+            # kernel's fixed order
             for m in linears:
                 m.policy = _fixed(m, interleaved=False)
         return False
