@@ -160,3 +160,12 @@ def test_weights_sharing_one_storage_unaligned_keep_gguf_rows_in_one_order() -> 
     )
     assert torch.equal(model["q"](x), whole[:, :32]) and torch.equal(model["v"](x), whole[:, 32:])
     assert torch.equal(model["v"].gguf_rows(), fused[32:])
+
+
+@needs_kernel
+def test_bf16_output_is_the_float32_output_rounded() -> None:
+    rows = interleave(_weight(3, 40, 128), 3, 40, 128)
+    x = torch.randn(7, 128).to(torch.bfloat16)
+    f32 = torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 3, 40)
+    b16 = torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 3, 40, True)
+    assert b16.dtype == torch.bfloat16 and torch.equal(b16, f32.to(torch.bfloat16))

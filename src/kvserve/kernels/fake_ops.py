@@ -35,9 +35,10 @@ def register_fakes() -> None:
         return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
 
     @torch.library.register_fake("kvserve::interleaved_matmul_bf16")
-    def _interleaved_matmul_bf16(x, w, qtype, out_features):
+    def _interleaved_matmul_bf16(x, w, qtype, out_features, out_bf16=False):
         torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {tuple(x.shape)}")
-        return x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+        dtype = torch.bfloat16 if out_bf16 else torch.float32
+        return x.new_empty((x.shape[0], out_features), dtype=dtype)
 
     @torch.library.register_fake("kvserve::dequantize")
     def _dequantize(qweight, qtype, out_features, in_features, isa=-1):

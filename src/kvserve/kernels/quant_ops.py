@@ -108,7 +108,11 @@ def quant_linear(
     if policy.fixed_order:  # every row count: one summation order (a float32 x is rounded)
         xb = x2.to(torch.bfloat16).contiguous()
         if policy.interleaved:
-            y = torch.ops.kvserve.interleaved_matmul_bf16(xb, qweight, qtype, out_features)
+            # a bfloat16 model's output rounded in the kernel's store (no float32 copy)
+            bf16_out = x.dtype == torch.bfloat16
+            y = torch.ops.kvserve.interleaved_matmul_bf16(
+                xb, qweight, qtype, out_features, bf16_out
+            )
         else:
             y = torch.ops.kvserve.quant_matmul_bf16(xb, qweight, qtype, out_features, 0, True)
         return y.to(x.dtype).view(*x.shape[:-1], out_features)

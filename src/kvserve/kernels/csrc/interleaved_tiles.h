@@ -119,12 +119,13 @@ struct Q8_0Rows16 {
 };
 
 // out[m * ldo + 16 g + i] for rows m < MR, groups g < NG (gstride bytes apart; the last one's
-// lanes in `mask`): the order at the top, BF blocks' chains side by side. wg: group 0's first
+// lanes in `mask`), float32, or rounded to bfloat16 (nearest even, as .to(bfloat16)) into
+// outb when that is set: the order at the top, BF blocks' chains side by side. wg: group 0's first
 // block; xs: the rows' block sums (Q4_1; nb apart). The running sums live in an L1 buffer, not
 // registers: every register goes to the chains.
 template <typename Fmt, int MR, int BF, int NG>
 void tile(const uint8_t* wg, int64_t gstride, int64_t nb, const uint16_t* x, int64_t ldx,
-                const float* xs, float* out, int64_t ldo, __mmask16 mask) {
+                const float* xs, float* out, uint16_t* outb, int64_t ldo, __mmask16 mask) {
   const __m512i table = Fmt::table();
   alignas(64) float acc[NG][MR][16] = {};
   // acc = fma(d, s, acc) (Q4_1: then fma(min, xsum, acc)) for block b of each group, its
@@ -170,7 +171,13 @@ void tile(const uint8_t* wg, int64_t gstride, int64_t nb, const uint16_t* x, int
 #pragma GCC unroll 4
   for (int g = 0; g < NG; ++g)
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m)
-      _mm512_mask_storeu_ps(out + m * ldo + 16 * g, g == NG - 1 ? mask : __mmask16(0xFFFF),
-                            _mm512_load_ps(acc[g][m]));
+    for (int m = 0; m < MR; ++m) {
+      const __mmask16 k = g == NG - 1 ? mask : __mmask16(0xFFFF);
+      const __m512 v = _mm512_load_ps(acc[g][m]);
+      if (outb != nullptr)
+        _mm256_mask_storeu_epi16(outb + m * ldo + 16 * g, k,
+                                 reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      else
+        _mm512_mask_storeu_ps(out + m * ldo + 16 * g, k, v);
+    }
 }

@@ -97,21 +97,22 @@ constexpr int kMaxMR = 6;
 
 template <typename Fmt, int NG>
 void run_tile(int mr, const uint8_t* wg, int64_t gstride, int64_t nb, const uint16_t* x,
-                    int64_t ldx, const float* xs, float* out, int64_t ldo, __mmask16 mask) {
+                    int64_t ldx, const float* xs, float* out, uint16_t* outb, int64_t ldo,
+                    __mmask16 mask) {
   constexpr int kBF = NG == 1 ? 4 : 2;
   switch (mr) {
-    case 6: return tile<Fmt, 6, NG == 1 ? 4 : 2, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
-    case 5: return tile<Fmt, 5, 2, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
-    case 4: return tile<Fmt, 4, kBF, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
-    case 3: return tile<Fmt, 3, kBF, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
-    case 2: return tile<Fmt, 2, 4, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
-    default: return tile<Fmt, 1, 4, NG>(wg, gstride, nb, x, ldx, xs, out, ldo, mask);
+    case 6: return tile<Fmt, 6, NG == 1 ? 4 : 2, NG>(wg, gstride, nb, x, ldx, xs, out, outb, ldo, mask);
+    case 5: return tile<Fmt, 5, 2, NG>(wg, gstride, nb, x, ldx, xs, out, outb, ldo, mask);
+    case 4: return tile<Fmt, 4, kBF, NG>(wg, gstride, nb, x, ldx, xs, out, outb, ldo, mask);
+    case 3: return tile<Fmt, 3, kBF, NG>(wg, gstride, nb, x, ldx, xs, out, outb, ldo, mask);
+    case 2: return tile<Fmt, 2, 4, NG>(wg, gstride, nb, x, ldx, xs, out, outb, ldo, mask);
+    default: return tile<Fmt, 1, 4, NG>(wg, gstride, nb, x, ldx, xs, out, outb, ldo, mask);
   }
 }
 
 template <typename Fmt>
 void matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-            float* out) {
+            float* out, uint16_t* outb) {
   const int64_t nb = K / 32, G = (N + kGroupRows - 1) / kGroupRows;
   const int64_t gbytes = nb * Fmt::kBytes;
   std::vector<float> xs;
@@ -138,11 +139,16 @@ void matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N
           const int64_t left = mb1 - m0;
           mr = std::min<int64_t>(kMaxMR, left);
           const float* xs_m = Fmt::kHasMin ? xs.data() + m0 * nb : nullptr;
-          float* o = out + m0 * N + g * kGroupRows;
+          const int64_t at = m0 * N + g * kGroupRows;
+          float* o = outb == nullptr ? out + at : nullptr;
+          uint16_t* ob = outb == nullptr ? nullptr : outb + at;
+          const uint8_t* wg = w + g * gbytes;
           if (gn == 2)
-            run_tile<Fmt, 2>(static_cast<int>(mr), w + g * gbytes, gbytes, nb, x + m0 * K, K, xs_m, o, N, mask);
+            run_tile<Fmt, 2>(static_cast<int>(mr), wg, gbytes, nb, x + m0 * K, K, xs_m, o, ob, N,
+                             mask);
           else
-            run_tile<Fmt, 1>(static_cast<int>(mr), w + g * gbytes, gbytes, nb, x + m0 * K, K, xs_m, o, N, mask);
+            run_tile<Fmt, 1>(static_cast<int>(mr), wg, gbytes, nb, x + m0 * K, K, xs_m, o, ob, N,
+                             mask);
         }
       }
     }
@@ -167,13 +173,13 @@ int64_t interleaved_block_bytes(int64_t qtype) {
 }
 
 bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
-                            int64_t qtype, int64_t N, float* out) {
+                            int64_t qtype, int64_t N, float* out, uint16_t* out_bf16) {
 #if defined(__x86_64__)
   if (!has_avx512_bf16() || K % 32 != 0) return false;
   switch (qtype) {
-    case kQ4_0: matmul<Q4_0Rows16>(x, M, K, w, N, out); return true;
-    case kQ4_1: matmul<Q4_1Rows16>(x, M, K, w, N, out); return true;
-    case kQ8_0: matmul<Q8_0Rows16>(x, M, K, w, N, out); return true;
+    case kQ4_0: matmul<Q4_0Rows16>(x, M, K, w, N, out, out_bf16); return true;
+    case kQ4_1: matmul<Q4_1Rows16>(x, M, K, w, N, out, out_bf16); return true;
+    case kQ8_0: matmul<Q8_0Rows16>(x, M, K, w, N, out, out_bf16); return true;
     default: return false;
   }
 #else
@@ -184,7 +190,7 @@ bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const 
 namespace {
 
 at::Tensor interleaved_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
-                                  int64_t out_features) {
+                                  int64_t out_features, bool out_bf16) {
   TORCH_CHECK(has_avx512_bf16(), "kvserve: interleaved_matmul_bf16 needs AVX-512-BF16, which this "
               "CPU lacks");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "kvserve: CPU tensors only");
@@ -203,11 +209,14 @@ at::Tensor interleaved_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& w,
               "kvserve: the interleaved weight must be contiguous uint8 (", (N + kGroupRows - 1) / kGroupRows,
               ", ", K / 32, ", ", bb, ") for N=", N, " K=", K, ", got ", w.scalar_type(), " ",
               w.sizes());
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
-  const bool ok = interleaved_matmul_bf16_raw(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M,
-                                         K, w.data_ptr<uint8_t>(), qtype, N,
-                                         out.data_ptr<float>());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const bool ok =
+      out_bf16 ? interleaved_matmul_bf16_raw(xp, M, K, w.data_ptr<uint8_t>(), qtype, N, nullptr,
+                                             reinterpret_cast<uint16_t*>(out.data_ptr()))
+               : interleaved_matmul_bf16_raw(xp, M, K, w.data_ptr<uint8_t>(), qtype, N,
+                                             out.data_ptr<float>());
   TORCH_CHECK(ok, "kvserve: interleaved_matmul_bf16 could not run");
   return out;
 }
@@ -217,7 +226,8 @@ at::Tensor interleaved_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& w,
 }  // namespace kvserve_quant
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("interleaved_matmul_bf16(Tensor x, Tensor w, int qtype, int out_features) -> Tensor");
+  m.def("interleaved_matmul_bf16(Tensor x, Tensor w, int qtype, int out_features, "
+        "bool out_bf16=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
