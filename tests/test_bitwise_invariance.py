@@ -85,8 +85,8 @@ def test_every_step_runs_the_fixed_order_kernel() -> None:
 def test_the_mode_holds_each_weight_once_interleaved() -> None:
     """Interleaving (models/fixed_order.py) replaces the GGUF rows: the fused layers' members
     view the fused weight's groups and the tied embedding reads the lm_head's, so resident
-    bytes do not grow (against the default path: interleaved too without AMX, GGUF rows with
-    it), and the embedding's rows are the same numbers."""
+    bytes do not grow (against the default path's GGUF rows), and the embedding's rows are the
+    same numbers."""
     from kvserve.models.quantized_linear import QuantizedLinear
     from kvserve.models.weight_formats import resident_bytes
 
@@ -95,7 +95,7 @@ def test_the_mode_holds_each_weight_once_interleaved() -> None:
     base = plain.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert linears and all(m.policy.interleaved for m in linears)
-    assert model.model.embed_tokens.interleaved
+    assert model.model.embed_tokens.interleaved and not base.model.embed_tokens.interleaved
     assert resident_bytes(model) == resident_bytes(base)
     ids = torch.tensor([0, 1, 17, 49151, 300])
     assert torch.equal(model.model.embed_tokens(ids), base.model.embed_tokens(ids))

@@ -117,14 +117,14 @@ def test_kernel_refuses_bad_input_by_name() -> None:
 
 @needs_kernel
 def test_weights_sharing_one_storage_unaligned_keep_gguf_rows_in_one_order() -> None:
-    """Two unrelated weights in one buffer (as a memory-mapped file would hold them) are not
-    owner and members: they stay GGUF rows, on the dot kernel's fixed order (never on the
-    placeholder policy the load gives weights it means to interleave), and a fused weight with
-    its members interleaves with the members viewing its groups."""
+    """Batch-invariant mode's weights: two unrelated weights in one buffer (as a memory-mapped
+    file would hold them) are not owner and members: they stay GGUF rows, on the dot kernel's
+    fixed order; a fused weight with its members interleaves, the members viewing its
+    groups."""
     from torch import nn
 
     from kvserve.kernels.quant_ops import QuantPolicy
-    from kvserve.models.fixed_order import interleave_weights
+    from kvserve.models.fixed_order import fix_summation_order
     from kvserve.models.quantized_linear import QuantizedLinear
 
     policy = QuantPolicy(use_kernels=True, native_bf16=True, kernel_max_rows=0)
@@ -137,7 +137,7 @@ def test_weights_sharing_one_storage_unaligned_keep_gguf_rows_in_one_order() -> 
             "b": QuantizedLinear(buf[20:], 2, k, 16, policy),
         }
     )
-    assert not interleave_weights(model)
+    assert fix_summation_order(model) == ""
     for name, q in (("a", a), ("b", b)):
         m = model[name]
         assert m.policy.fixed_order and not m.policy.interleaved
@@ -151,7 +151,7 @@ def test_weights_sharing_one_storage_unaligned_keep_gguf_rows_in_one_order() -> 
             "v": QuantizedLinear(fused[32:], 3, k, 16, policy),
         }
     )
-    assert interleave_weights(model)
+    assert fix_summation_order(model) == ""
     x = torch.randn(3, k)
     whole = model["fused"](x)
     assert all(m.policy.interleaved for m in model.values())

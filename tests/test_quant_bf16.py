@@ -180,7 +180,6 @@ def test_fused_decode_through_the_bf16_kernel(
     )
     for m in model.modules():  # every quantized layer, eager and fused, on the bf16 kernel
         if isinstance(m, QuantizedLinear):
-            m.qweight = m.gguf_rows()  # (interleaved at load on AVX-512-BF16 without AMX)
             m.policy = forced
     storage, md, ids, pos = prefilled(model, [6, 11])
     (eager, eager_kv), (got, got_kv) = both_ways(model, storage, md, ids, pos)

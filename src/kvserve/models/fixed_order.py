@@ -36,20 +36,8 @@ def fix_summation_order(model: nn.Module) -> str:
     if not torch.ops.kvserve.cpu_has_avx512_bf16():
         return "the CPU lacks AVX-512-BF16 (the fixed-order kernel's VDPBF16PS)"
     for mods in _by_storage(model):
-        _fix_sharing(mods, interleaved_only=False)
+        _fix_sharing(mods)
     return ""
-
-
-def interleave_weights(model: nn.Module) -> bool:
-    """Interleave the Q4_0 / Q4_1 / Q8_0 weights of a bfloat16 model on an AVX-512-BF16 CPU
-    (the default path there, models/weight_formats.py), in place; the other formats keep their
-    measured paths. Returns whether any weight was interleaved."""
-    if not torch.ops.kvserve.cpu_has_avx512_bf16():
-        return False
-    done = False
-    for mods in _by_storage(model):
-        done = _fix_sharing(mods, interleaved_only=True) or done
-    return done
 
 
 def _by_storage(model: nn.Module) -> list[list[nn.Module]]:
@@ -72,16 +60,13 @@ def _fixed(m: QuantizedLinear, interleaved: bool):
     )
 
 
-def _fix_sharing(mods: list[nn.Module], interleaved_only: bool) -> bool:
+def _fix_sharing(mods: list[nn.Module]) -> None:
     """The layers over one storage: the one whose weight spans it (a fused or a lone weight,
     or a tied lm_head) and its members (row views) or a tied embedding. Interleaved where the
-    format allows, else (unless ``interleaved_only``) the dot kernel's fixed order. Returns
-    whether it interleaved them."""
+    format allows, else on the dot kernel's fixed order."""
     linears = [m for m in mods if isinstance(m, QuantizedLinear)]
     if not linears or any(m.policy.interleaved for m in linears):
-        return False  # an embedding alone (untied), or done before
-    if not all(m.policy.use_kernels and m.policy.native_bf16 for m in linears):
-        return False
+        return  # an embedding alone (untied), or done before
     owner = max(linears, key=lambda m: m.qweight.numel())
     offsets = {}  # member -> its first row in the owner's weight
     row_bytes = owner.qweight.shape[1]
@@ -96,13 +81,9 @@ def _fix_sharing(mods: list[nn.Module], interleaved_only: bool) -> bool:
         for m, o in offsets.items()
     ) and all(m is owner or m.out_features % GROUP_ROWS == 0 for m in linears)
     if not (interleavable(owner.qtype) and aligned):
-        if not interleaved_only or interleavable(owner.qtype):
-            # batch-invariant mode, or an interleavable weight the load left unmeasured (its
-            # placeholder policy would send every row count to dequantize + matmul): the dot
-            # kernel's fixed order
-            for m in linears:
-                m.policy = _fixed(m, interleaved=False)
-        return False
+        for m in linears:
+            m.policy = _fixed(m, interleaved=False)
+        return
     owner.interleave(_fixed(owner, interleaved=True))
     for m in linears:
         if m is not owner:  # its rows' groups of the owner's interleaved weight
@@ -111,4 +92,3 @@ def _fix_sharing(mods: list[nn.Module], interleaved_only: bool) -> bool:
             m.policy = _fixed(m, interleaved=True)
     for e in embeds:  # a tied embedding: rows looked up in the lm_head's groups
         e.use_interleaved(owner.qweight)
-    return True

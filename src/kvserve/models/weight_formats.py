@@ -27,9 +27,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from kvserve.kernels.build import load_kernels
-from kvserve.kernels.interleaved_weights import interleavable
 from kvserve.kernels.quant_ref import quantize
-from kvserve.models.fixed_order import interleave_weights
 from kvserve.models.gguf_checkpoint import QuantizedTensor
 from kvserve.models.packed_linear import PackedLinear
 from kvserve.models.quantized_linear import (
@@ -114,22 +112,6 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
 
 
-def _interleaves(features: CpuFeatures, dtype: torch.dtype) -> bool:
-    """Whether Q4_0 / Q4_1 / Q8_0 weights are interleaved at load and multiplied by the
-    interleaved kernel at every row count (kernels/csrc/quant_interleaved.cpp): a bfloat16
-    model on a CPU with AVX-512-BF16 and no AMX. Its one kernel beats the measured paths below
-    ~384 rows (Zen 5: 1.8x at one row, 1.2x at 64) and trails oneDNN by ~5-15% above, with no
-    row threshold to measure or to get wrong, and one summation order at every row count. AMX
-    CPUs keep their measured paths (AMX tiles for prefill; the kernel is unmeasured there)."""
-    return (
-        dtype == torch.bfloat16
-        and features.native_bf16
-        and features.avx512_bf16
-        and features.avx512
-        and not (features.amx_bf16 and torch.ops.kvserve.cpu_has_amx_bf16())
-    )
-
-
 def _policies(
     layers: dict[str, QuantizedTensor],
     device: torch.device,
@@ -141,7 +123,6 @@ def _policies(
     or read from ``thresholds`` where this machine measured it before."""
     use = device.type == "cpu" and load_kernels()
     isa = kernel_isa(features)
-    interleaved = use and _interleaves(features, dtype)
     out: dict[tuple[int, int, int], QuantPolicy] = {}
     measured = 0
     start = time.monotonic()
@@ -156,11 +137,6 @@ def _policies(
         # the bf16 kernel needs AVX-512-BF16 itself (AMX-only CPUs have it too, in practice)
         bf16_kernel = bf16 and features.avx512_bf16 and features.avx512
         amx = bf16_kernel and features.amx_bf16 and torch.ops.kvserve.cpu_has_amx_bf16()
-        if interleaved and interleavable(q.qtype):
-            # interleaved at every row count (finalize_weights): nothing to measure; this
-            # policy is replaced once the weight is interleaved
-            out[key] = QuantPolicy(use_kernels=True, isa=isa, native_bf16=True, kernel_max_rows=0)
-            continue
         args = {"qtype": q.qtype, "shape": list(q.shape), "isa": isa, "bf16": bf16}
         args |= {"bf16_kernel": bf16_kernel, "amx": amx}
         cache_key = thresholds.key(**args) if thresholds is not None else ""
@@ -289,11 +265,6 @@ def finalize_weights(
         policy = policies[(q.qtype, *q.shape)]
         layer = QuantizedLinear(q.data.to(device), q.qtype, q.shape[1], q.shape[0], policy)
         _set_module(model, module_name, layer)
-    if device.type == "cpu" and load_kernels() and _interleaves(features, dtype):
-        interleave_weights(model)
-        for m in model.modules():
-            if isinstance(m, QuantizedLinear) and m.policy.interleaved:
-                report.paths[GGMLQuantizationType(m.qtype).name] = describe_policy(m.policy)
     _finalize_dense(model, dtype, device, features, pack, report)
     report.resident_bytes = resident_bytes(model)
     return report
