@@ -1,11 +1,13 @@
 // kvserve::interleaved_matmul_bf16: bfloat16 activations times GGUF weights interleaved at
-// load into groups of 16 rows (kvserve/kernels/interleaved_weights.py), in ONE summation order per output
-// element at every row count: the same bits for a row whether it is alone (a decode), one of
-// 64 (a batch) or one of 2000 (a prefill), on any thread.
+// load into groups of 16 rows (kvserve/kernels/interleaved_weights.py), in ONE summation
+// order per output element at every row count: the same bits for a row whether it is alone
+// (a decode), one of 64 (a batch) or one of 2000 (a prefill), on any thread. Batch-invariant
+// mode's matmul for Q4_0 / Q4_1 / Q8_0 (models/fixed_order.py).
 //
 //   x       (M, K) bfloat16, contiguous
 //   w       (ceil(N / 16), K / 32, group_block_bytes) uint8, the layout below
-//   out     (M, N) float32
+//   out     (M, N) float32, or with out_bf16 that rounded to bfloat16 (nearest even) as it is
+//           stored
 //
 // One (group g, block b) holds weight rows n = 16g + i (i < 16; rows past N are zero) and
 // values k = 32b .. 32b + 31, in GGUF's own bytes per value:
@@ -32,7 +34,10 @@
 //
 // Why: the fixed-order dot tiles of quant_bf16.cpp sum 16 lanes of k per output and reduce
 // them at the end, which suits one row but costs a transpose-add tree per output and keeps
-// many-row calls ~15% behind oneDNN; here lanes are output rows, so a weight chunk expanded
+// many-row calls ~15% behind oneDNN (Zen 5, the default model's 120 layer matmuls from DRAM,
+// benchmarks.bf16_matmul_step: this kernel takes 0.56x the dot kernel's time at one row,
+// 0.84x at 64, 0.91x at 2048, ~1.05x oneDNN's on the dequantized weight); here lanes are
+// output rows, so a weight chunk expanded
 // once feeds every activation row of the tile, and the scale is applied once per block
 // instead of being multiplied into every weight (the dequantize-then-round path's per-value
 // float work and its bfloat16 rounding of each weight are gone: this is closer to the float32
