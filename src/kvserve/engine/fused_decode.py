@@ -82,7 +82,7 @@ class FusedDecode:
         # batch-invariant mode (every weight in a fixed order): every step runs here, prefill
         # and mixed ones too, so a token's numbers are the same in any step (ARCHITECTURE.md
         # "Bitwise invariance"); else all-decode steps up to the kernels' row thresholds (a
-        # fixed-order weight, interleaved on the default path, has none: any row count)
+        # fixed-order weight has none: any row count)
         self.every_step = every_step
         assert not every_step or (self.bf16 and all(p.fixed_order for p in self.policies))
         self.max_rows = min(

@@ -13,8 +13,9 @@
   CPU with AVX-512-BF16): the bf16 kernel at every row count, each output summed in one order whatever
   the row count, so a request's numbers do not depend on its batch (ARCHITECTURE.md);
 - ``bf16 kernel, interleaved`` (``fixed_order`` and ``interleaved``: batch-invariant mode, a
-  Q4_0 / Q4_1 / Q8_0 weight; the layout is ``kernels/interleaved_weights.py``): the weight's 16-row groups times bfloat16
-  activations, scales applied per block, one order at every row count;
+  Q4_0 / Q4_1 / Q8_0 weight; the layout is ``kernels/interleaved_weights.py``): the weight's
+  16-row groups times bfloat16 activations, scales applied per block, one order at every row
+  count;
 - ``dequant+matmul``: the C++ dequantizer into a float32 weight (a bfloat16 model on a CPU
   with native bfloat16: straight into a bf16 weight, ``dequantize_bf16``), then ``F.linear``
   (oneDNN);
