@@ -99,6 +99,7 @@ def test_the_mode_holds_each_weight_once_interleaved() -> None:
     assert resident_bytes(model) == resident_bytes(base)
     ids = torch.tensor([0, 1, 17, 49151, 300])
     assert torch.equal(model.model.embed_tokens(ids), base.model.embed_tokens(ids))
+    assert torch.equal(model.model.embed_tokens.weight[ids], base.model.embed_tokens.weight[ids])
 
 
 @needs_invariant_path

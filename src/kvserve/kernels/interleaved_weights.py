@@ -101,12 +101,24 @@ def deinterleave(rows: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor
 
 def deinterleave_rows(rows: torch.Tensor, qtype: int, ids: torch.Tensor, k: int) -> torch.Tensor:
     """The GGUF rows (len(ids), row_bytes) of weight rows ``ids`` (1-D) of an interleaved
-    weight: their groups gathered and deinterleaved (an embedding lookup in a tied lm_head's
-    weight; 16 rows decoded per id, cheap beside the lookup's dequantize)."""
-    groups = rows[ids // GROUP_ROWS]  # (T, k / 32, block bytes): each id's group
-    t = ids.shape[0]
-    gguf = deinterleave(groups, qtype, t * GROUP_ROWS, k)  # (T * 16, row_bytes)
-    return gguf[torch.arange(t) * GROUP_ROWS + ids % GROUP_ROWS]
+    weight (a tied embedding's lookups in the lm_head's weight): each id's own bytes gathered
+    from its group -- every byte of a group-block belongs to one row -- and its codes put back
+    in GGUF's order."""
+    qt = _check(qtype)
+    fields = 2 if qt == QT.Q4_1 else 1  # fp16 scale fields per row: d (and m)
+    head = 32 * fields
+    pair = torch.arange(2)
+    scale_at = (32 * torch.arange(fields)[:, None] + pair).reshape(-1)
+    chunks = 16 if qt == QT.Q8_0 else 8
+    code_at = (head + 32 * torch.arange(chunks)[:, None] + pair).reshape(-1)
+    at = torch.cat([scale_at, code_at])[None, :] + 2 * (ids % GROUP_ROWS)[:, None]  # (T, bytes)
+    nb = k // 32
+    got = rows[(ids // GROUP_ROWS)[:, None, None], torch.arange(nb)[None, :, None], at[:, None]]
+    if qt != QT.Q8_0:  # (T, nb, [scales | 16 bytes (c, j): q[4c + j] | q[4c + 2 + j] << 4])
+        b = got[..., 2 * fields :].reshape(*got.shape[:2], 8, 1, 2)
+        q = torch.cat([b & 15, b >> 4], dim=-2).reshape(*got.shape[:2], 32)  # q[4c + 2h + j]
+        got = torch.cat([got[..., : 2 * fields], q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    return got.reshape(ids.shape[0], row_bytes(qt, k))
 
 
 def interleaved_matmul_ref(x: torch.Tensor, rows: torch.Tensor, qtype: int, n: int) -> torch.Tensor:

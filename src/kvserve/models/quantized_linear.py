@@ -134,8 +134,9 @@ class QuantizedEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        rows = self._rows(torch.arange(self.num_embeddings))
-        return dequantize_ref(rows, self.qtype, self.num_embeddings, self.embedding_dim)
+        n, dim = self.num_embeddings, self.embedding_dim
+        rows = deinterleave(self.qweight, self.qtype, n, dim) if self.interleaved else self.qweight
+        return dequantize_ref(rows, self.qtype, n, dim)
 
 
 def best_time(fn: Callable[[], object], repeat: int) -> float:

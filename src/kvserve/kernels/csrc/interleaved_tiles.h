@@ -24,17 +24,21 @@ inline __m512i code_table(int offset) {
   return _mm512_load_si512(t);
 }
 
-// s[g][f][m] += the products of group g's block f with activation rows m < MR: groups g < NG
-// at blk + g * gstride, blocks f < BF at + f * kBytes, x rows ldx apart from block 0's first
-// value. Chunks of all NG x BF blocks are interleaved so that NG x BF x MR independent
-// VDPBF16PS chains are in flight (one block after another, the out-of-order window overlapped
-// too few), and each activation pair broadcast feeds the NG groups (one broadcast per product
-// was half the instructions).
-struct Q4Codes {
+// Q4_0 (codes q - 8, kMin false) and Q4_1 (codes q, plus the block's min: kMin true).
+// products: s[g][f][m] += the products of group g's block f with activation rows m < MR:
+// groups g < NG at blk + g * gstride, blocks f < BF at + f * kBytes, x rows ldx apart from
+// block 0's first value. Chunks of all NG x BF blocks are interleaved so that NG x BF x MR
+// independent VDPBF16PS chains are in flight (one block after another, the out-of-order
+// window overlapped too few), and each activation pair broadcast feeds the NG groups (one
+// broadcast per product was half the instructions).
+template <bool kMin>
+struct Q4Rows16 {
+  static constexpr int64_t kBytes = kMin ? 320 : 288, kHead = kMin ? 64 : 32;
+  static constexpr bool kHasMin = kMin;
+  static inline __m512i table() { return code_table(kMin ? 0 : -8); }
   template <int MR, int BF, int NG>
-  static inline void products(const uint8_t* codes, int64_t stride, int64_t gstride,
-                                    const __m512i table, const uint16_t* x, int64_t ldx,
-                                    __m512 (&s)[NG][BF][MR]) {
+  static inline void products(const uint8_t* blk, int64_t gstride, const __m512i table,
+                              const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c)
 #pragma GCC unroll 4
@@ -43,7 +47,7 @@ struct Q4Codes {
 #pragma GCC unroll 4
         for (int g = 0; g < NG; ++g) {
           const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(codes + g * gstride + f * stride + 32 * c)));
+              reinterpret_cast<const __m256i*>(blk + kHead + g * gstride + f * kBytes + 32 * c)));
           lo[g] = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(w, table));
           hi[g] = reinterpret_cast<__m512bh>(
               _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
@@ -64,28 +68,8 @@ struct Q4Codes {
       }
   }
 };
-
-struct Q4_0Rows16 {
-  static constexpr int64_t kBytes = 288, kHead = 32;
-  static constexpr bool kHasMin = false;
-  static inline __m512i table() { return code_table(-8); }
-  template <int MR, int BF, int NG>
-  static inline void products(const uint8_t* blk, int64_t gstride, const __m512i table,
-                                    const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
-    Q4Codes::products<MR, BF, NG>(blk + kHead, kBytes, gstride, table, x, ldx, s);
-  }
-};
-
-struct Q4_1Rows16 {
-  static constexpr int64_t kBytes = 320, kHead = 64;
-  static constexpr bool kHasMin = true;
-  static inline __m512i table() { return code_table(0); }
-  template <int MR, int BF, int NG>
-  static inline void products(const uint8_t* blk, int64_t gstride, const __m512i table,
-                                    const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
-    Q4Codes::products<MR, BF, NG>(blk + kHead, kBytes, gstride, table, x, ldx, s);
-  }
-};
+using Q4_0Rows16 = Q4Rows16<false>;
+using Q4_1Rows16 = Q4Rows16<true>;
 
 struct Q8_0Rows16 {
   static constexpr int64_t kBytes = 544, kHead = 32;
@@ -93,7 +77,7 @@ struct Q8_0Rows16 {
   static inline __m512i table() { return _mm512_setzero_si512(); }
   template <int MR, int BF, int NG>
   static inline void products(const uint8_t* blk, int64_t gstride, const __m512i,
-                                    const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
+                              const uint16_t* x, int64_t ldx, __m512 (&s)[NG][BF][MR]) {
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p)
 #pragma GCC unroll 4
