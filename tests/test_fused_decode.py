@@ -199,7 +199,10 @@ def test_bad_inputs_raise_naming_the_value(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"seq_lens\[0\] = 99 must be in \[1, 4\]"):
         fused(ids, pos, md, storage)
     fused.qtypes = fused.qtypes[:-1]
-    with pytest.raises(RuntimeError, match="2 layers need 4 norms and 8 quantized weights"):
+    with pytest.raises(RuntimeError, match="2 layers need 4 norms and 14 weight slots"):
+        fused(ids, pos, md, storage)
+    fused.qtypes = [-1] + fused.qtypes[1:] + [fused.qtypes[-1]]  # the q slot absent
+    with pytest.raises(RuntimeError, match="layer 0: only k and v .* may be absent"):
         fused(ids, pos, md, storage)
 
 

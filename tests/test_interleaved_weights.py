@@ -1,7 +1,8 @@
 """Interleaved weights (kernels/interleaved_weights.py) and their kernel,
 ``kvserve::interleaved_matmul_bf16`` (kernels/csrc/quant_interleaved.cpp): the layout is a
-lossless permutation of the GGUF bytes, the kernel equals its float64 twin within float32
-rounding, and a row's result has the same bits at any row count (batch-invariant mode's rule).
+lossless permutation of the GGUF bytes (Q4_K: a bijective re-encoding), the kernel equals its
+float64 twin within float32 rounding, and a row's result has the same bits at any row count
+(batch-invariant mode's rule).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from kvserve.kernels.interleaved_weights import (
     interleave,
     interleaved_matmul_ref,
 )
-from kvserve.kernels.quant_ref import dequantize_ref, quantize
+from kvserve.kernels.quant_ref import QT, block_size, dequantize_ref, quantize
 
-TYPES = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
+TYPES = [2, 3, 8, 12, 14]  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+KQUANTS = (12, 14)
+# byte offsets of a K-quant block's fp16 fields (d, dmin)
+KQUANT_FP16 = {12: (0, 2), 14: (208,)}
 
 needs_kernel = pytest.mark.skipif(
     not (load_kernels() and torch.ops.kvserve.cpu_has_avx512_bf16()),
@@ -28,29 +32,50 @@ needs_kernel = pytest.mark.skipif(
 
 
 def _weight(qtype: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """GGUF rows with extreme scales in one row and tiny ones in another. gguf-py does not
+    quantize the K-quants: theirs are random codes and 6/8-bit scales with random fp16 d."""
     torch.manual_seed(seed)
-    w = torch.randn(n, k)
-    w[0] *= 1e4  # extreme scales in one row, tiny in another
-    w[-1] *= 1e-4
-    return quantize(w, qtype)
+    if qtype not in KQUANTS:
+        w = torch.randn(n, k)
+        w[0] *= 1e4
+        w[-1] *= 1e-4
+        return quantize(w, qtype)
+    _, nbytes = block_size(QT(qtype))
+    blocks = torch.randint(0, 256, (n, k // 256, nbytes), dtype=torch.uint8)
+    for off in KQUANT_FP16[qtype]:
+        d = torch.rand(n, k // 256) * 0.049 + 0.001
+        d[0] *= 1e3
+        d[-1] *= 1e-3
+        blocks[..., off : off + 2] = d.half().view(torch.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+def _k(qtype: int, k: int) -> int:
+    """k for a 32-value format, or the next multiple of 256 for a K-quant."""
+    return -(-k // 256) * 256 if qtype in KQUANTS else k
 
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n", [1, 16, 37, 192])
 def test_interleaving_is_a_lossless_permutation(qtype: int, n: int) -> None:
-    k = 96
+    k = _k(qtype, 96) * (2 if qtype in KQUANTS else 1)
     q = _weight(qtype, n, k)
     rows = interleave(q, qtype, n, k)
-    assert rows.shape == (-(-n // 16), k // 32, {2: 288, 3: 320, 8: 544}[qtype])
+    per = 256 if qtype in KQUANTS else 32
+    assert rows.shape == (
+        -(-n // 16),
+        k // per,
+        {2: 288, 3: 320, 8: 544, 12: 2368, 14: 3360}[qtype],
+    )
     assert torch.equal(deinterleave(rows, qtype, n, k), q)
     ids = torch.tensor([n - 1, 0, n // 2, 0])
     assert torch.equal(deinterleave_rows(rows, qtype, ids, k), q[ids])
 
 
-def test_only_32_value_formats_interleave() -> None:
+def test_which_formats_interleave() -> None:
     assert [t for t in (2, 3, 6, 7, 8, 12, 14) if interleavable(t)] == TYPES
-    with pytest.raises(ValueError, match="no interleaved layout for GGML type 12"):
-        interleave(torch.zeros(16, 144, dtype=torch.uint8), 12, 16, 256)
+    with pytest.raises(ValueError, match="no interleaved layout for GGML type 6"):
+        interleave(torch.zeros(16, 22, dtype=torch.uint8), 6, 16, 32)
     with pytest.raises(ValueError, match=r"qweight must be uint8 \(16, 18\)"):
         interleave(torch.zeros(16, 17, dtype=torch.uint8), 2, 16, 32)
 
@@ -58,7 +83,7 @@ def test_only_32_value_formats_interleave() -> None:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_twin_is_the_dequantized_product(qtype: int) -> None:
     """The float64 twin sums per block with scales outside; exactly, that is x @ W.T."""
-    n, k = 40, 128
+    n, k = 40, _k(qtype, 128)
     q = _weight(qtype, n, k)
     x = torch.randn(5, k).to(torch.bfloat16).float()
     want = x.double() @ dequantize_ref(q, qtype, n, k).double().T
@@ -70,6 +95,7 @@ def test_the_twin_is_the_dequantized_product(qtype: int) -> None:
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("n, k", [(37, 64), (192, 576), (50, 1536)])
 def test_kernel_matches_its_twin(qtype: int, n: int, k: int) -> None:
+    k = _k(qtype, k)
     q = _weight(qtype, n, k, seed=n + k)
     rows = interleave(q, qtype, n, k)
     x = torch.randn(13, k)
@@ -109,7 +135,9 @@ def test_kernel_refuses_bad_input_by_name() -> None:
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="interleaved weight must be contiguous uint8"):
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 2, 48)
-    with pytest.raises(RuntimeError, match="supports Q4_0, Q4_1 and Q8_0"):
+    with pytest.raises(RuntimeError, match="supports Q4_0, Q4_1, Q8_0, Q4_K and Q6_K"):
+        torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 6, 32)
+    with pytest.raises(RuntimeError, match="K a multiple of 256 for type 12"):
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 12, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.kvserve.interleaved_matmul_bf16(x.float(), rows, 2, 32)

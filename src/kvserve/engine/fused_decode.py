@@ -10,8 +10,9 @@ layers over raw buffers, with the same kernels the eager layers call (``quant_ma
 When it runs (``FusedDecode.build`` says why not, once, at debug level):
 
 - the C++ kernels are loaded (not ``KVSERVE_KERNELS=0``), model and cache on CPU;
-- every layer's qkv_proj, o_proj, gate_up_proj and down_proj are quantized (a GGUF model or
-  ``--quantization``) and fused, with no biases and no q/k norm (Llama, Mistral, SmolLM);
+- every layer's projections are quantized (a GGUF model or ``--quantization``), with no biases
+  and no q/k norm (Llama, Mistral, SmolLM). q/k/v and gate/up are fused where their types
+  agree; where they do not (a Q4_K_M file: Q4_K beside Q6_K) each part is its own weight slot;
 - the step is all decodes, and no more rows than every weight's measured kernel threshold
   (above it the eager path's dequantize + GEMM is faster). A bfloat16 model on an
   AVX-512-BF16 CPU multiplies each weight through the float32 or the bf16 kernel, whichever
@@ -54,13 +55,31 @@ KERNEL_FLAGS = {
 }
 
 
+# decode_layers' weight slots per layer, in order
+SLOT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ABSENT = torch.empty(0, dtype=torch.uint8)  # an absent slot's tensor (its qtype is -1)
+
+
+def _slots(layer: torch.nn.Module) -> tuple[torch.nn.Module | None, ...]:
+    """A decoder layer's weights in decode_layers' slots: the fused qkv_proj (gate_up_proj)
+    in the q (gate) slot with k, v (up) absent where the model fused them."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.qkv_proj is not None:
+        qkv: tuple = (attn.qkv_proj, None, None)
+    else:
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    gu: tuple = (gate_up, None) if gate_up is not None else (mlp.gate_proj, mlp.up_proj)
+    return (*qkv, attn.o_proj, *gu, mlp.down_proj)
+
+
 class FusedDecode:
     """The arguments of ``kvserve::decode_layers`` for one model, gathered once."""
 
     def __init__(
         self,
         model: LlamaForCausalLM,
-        layers: list[tuple[QuantizedLinear, ...]],
+        layers: list[tuple[QuantizedLinear | None, ...]],
         every_step: bool = False,
     ) -> None:
         cfg = model.config
@@ -74,9 +93,13 @@ class FusedDecode:
             for layer in model.model.layers
             for n in (layer.input_layernorm, layer.post_attention_layernorm)
         ]
-        self.qweights = [q.qweight for group in layers for q in group]
-        self.qtypes = [q.qtype for group in layers for q in group]
-        self.policies = [q.policy for group in layers for q in group]
+        # 7 slots a layer (q, k, v, o, gate, up, down): a fused weight in its first member's
+        # slot, the others absent (qtype -1)
+        slots = [q for group in layers for q in group]
+        self.qweights = [q.qweight if q is not None else _ABSENT for q in slots]
+        self.qtypes = [q.qtype if q is not None else -1 for q in slots]
+        self.slot_policies = [q.policy if q is not None else None for q in slots]
+        self.policies = [p for p in self.slot_policies if p is not None]
         # a bfloat16 model's weights may take the bf16 kernel above the float32 one's rows
         self.bf16 = model.dtype == torch.bfloat16
         # batch-invariant mode (every weight in a fixed order): every step runs here, prefill
@@ -122,10 +145,7 @@ class FusedDecode:
         if reason:
             logger.debug("fused decode step off: %s", reason)
             return None
-        groups = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            groups.append((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        groups = [_slots(layer) for layer in model.model.layers]
         fused = cls(model, groups, every_step=batch_invariant)
         if fused.max_rows < 1:
             logger.debug("fused decode step off: the quantized kernel never wins here")
@@ -160,15 +180,11 @@ class FusedDecode:
         if not storage.kv.is_contiguous():
             return "cache not contiguous"
         for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for name, m in (
-                ("qkv_proj", attn.qkv_proj),
-                ("o_proj", attn.o_proj),
-                ("gate_up_proj", mlp.gate_up_proj),
-                ("down_proj", mlp.down_proj),
-            ):
+            for name, m in zip(SLOT_NAMES, _slots(layer), strict=True):
+                if m is None:
+                    continue
                 if not isinstance(m, QuantizedLinear) or m.bias is not None:
-                    return f"layer {i} {name} is not a fused quantized linear"
+                    return f"layer {i} {name} is not a quantized linear without bias"
                 if not m.policy.use_kernels:
                     return f"layer {i} {name} takes the reference path"
         return ""
@@ -192,7 +208,10 @@ class FusedDecode:
         rows = input_ids.shape[0]
         flags = self._bf16_flags.get(0 if self.every_step else rows)  # fixed order: one set
         if flags is None:  # the path each weight takes at this many rows (as quant_linear)
-            flags = [KERNEL_FLAGS.get(p.path(rows, self.bf16), 0) for p in self.policies]
+            flags = [
+                0 if p is None else KERNEL_FLAGS.get(p.path(rows, self.bf16), 0)
+                for p in self.slot_policies
+            ]
             self._bf16_flags[0 if self.every_step else rows] = flags
         tables, seq_lens = md.block_tables, md.seq_lens_tensor
         if rows != md.num_reqs:

@@ -5,7 +5,9 @@ bfloat16 activations by a weight whose 16 rows of a group lie side by side, one 
 float32 lane, so one expanded chunk of codes feeds every activation row of a tile and each
 output element is summed in one order at every row count (ARCHITECTURE.md "Bitwise
 invariance"). Interleaving is a permutation of the GGUF bytes (the same bytes per value: scales
-stay fp16, codes stay 4 or 8 bits); ``deinterleave`` inverts it exactly.
+stay fp16, codes stay 4 or 8 bits); ``deinterleave`` inverts it exactly. Q4_K and Q6_K
+(``interleaved_kquants``) are interleaved per super-block of 256 values; Q4_K's packed 6-bit
+scales take a byte each there (+2.8%).
 
 ``interleaved_matmul_ref`` is the kernel's slow twin: the same sum per block, scale applied per
 block, in float64 (the kernel's float32 sums differ from it by rounding only).
@@ -15,11 +17,28 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kernels.interleaved_kquants import (
+    KQUANT_BLOCK_BYTES,
+    deinterleave_kquant,
+    deinterleave_kquant_rows,
+    interleave_kquant,
+    kquant_chain_blocks,
+)
 from kvserve.kernels.quant_ref import QT, block_size, row_bytes
 
 GROUP_ROWS = 16  # weight rows per group (one zmm of float32 lanes)
-# bytes of one (group, block): 16 rows x GGUF's block bytes
-INTERLEAVED_BLOCK_BYTES = {QT.Q4_0: 288, QT.Q4_1: 320, QT.Q8_0: 544}
+# bytes of one (group, block): 16 rows x GGUF's block bytes (K-quants: per super-block)
+INTERLEAVED_BLOCK_BYTES = {QT.Q4_0: 288, QT.Q4_1: 320, QT.Q8_0: 544, **KQUANT_BLOCK_BYTES}
+
+
+def block_values(qtype: int) -> int:
+    """Values along K of one (group, block) of the layout: 256 for the K-quants, else 32."""
+    return 256 if qtype in KQUANT_BLOCK_BYTES else 32
+
+
+def interleaved_shape(qtype: int, n: int, k: int) -> tuple[int, int, int]:
+    """Shape of the interleaved weight of an (n, k) ``qtype`` weight."""
+    return (-(-n // GROUP_ROWS), k // block_values(qtype), INTERLEAVED_BLOCK_BYTES[QT(qtype)])
 
 
 def interleavable(qtype: int) -> bool:
@@ -34,15 +53,19 @@ def _check(qtype: int) -> QT:
     return QT(qtype)
 
 
-def _parts(qweight: torch.Tensor, qt: QT, n: int, k: int):
-    """GGUF rows -> (scales (n, nb, S) uint8 bytes, codes (n, nb, 32) uint8 or int8)."""
-    elems, nbytes = block_size(qt)
+def _parts_check(qweight: torch.Tensor, qt: QT, n: int, k: int) -> None:
     rb = row_bytes(qt, k)
     if qweight.dtype != torch.uint8 or tuple(qweight.shape) != (n, rb):
         raise ValueError(
             f"qweight must be uint8 ({n}, {rb}) for {qt.name} ({n}, {k}), "
             f"got {qweight.dtype} {tuple(qweight.shape)}"
         )
+
+
+def _parts(qweight: torch.Tensor, qt: QT, n: int, k: int):
+    """GGUF rows -> (scales (n, nb, S) uint8 bytes, codes (n, nb, 32) uint8 or int8)."""
+    elems, nbytes = block_size(qt)
+    _parts_check(qweight, qt, n, k)
     blocks = qweight.reshape(n, k // elems, nbytes)
     if qt == QT.Q8_0:
         return blocks[..., :2], blocks[..., 2:]  # int8 codes as raw bytes
@@ -52,8 +75,12 @@ def _parts(qweight: torch.Tensor, qt: QT, n: int, k: int):
 
 
 def interleave(qweight: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
-    """GGUF rows (n, row_bytes) -> the interleaved (ceil(n / 16), k / 32, block bytes) uint8."""
+    """GGUF rows (n, row_bytes) -> the interleaved (ceil(n / 16), k / 32, block bytes) uint8
+    (K-quants: k / 256 super-blocks)."""
     qt = _check(qtype)
+    if qt in KQUANT_BLOCK_BYTES:
+        _parts_check(qweight, qt, n, k)
+        return interleave_kquant(qweight, qt, n, k)
     scales, codes = _parts(qweight, qt, n, k)
     nb = k // 32
     g = -(-n // GROUP_ROWS)
@@ -77,12 +104,14 @@ def deinterleave(rows: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor
     qt = _check(qtype)
     nb = k // 32
     g = -(-n // GROUP_ROWS)
-    bb = INTERLEAVED_BLOCK_BYTES[qt]
-    if rows.dtype != torch.uint8 or tuple(rows.shape) != (g, nb, bb):
+    shape = interleaved_shape(qt, n, k)
+    if rows.dtype != torch.uint8 or tuple(rows.shape) != shape:
         raise ValueError(
-            f"interleaved weight must be uint8 ({g}, {nb}, {bb}) for {qt.name} ({n}, {k}), "
+            f"interleaved weight must be uint8 {shape} for {qt.name} ({n}, {k}), "
             f"got {rows.dtype} {tuple(rows.shape)}"
         )
+    if qt in KQUANT_BLOCK_BYTES:
+        return deinterleave_kquant(rows, qt, n, k)
     head = 32 if qt != QT.Q4_1 else 64
     fields = head // 32
     s = rows[..., :head].reshape(g, nb, fields, GROUP_ROWS, 2).permute(0, 3, 1, 2, 4)
@@ -105,6 +134,8 @@ def deinterleave_rows(rows: torch.Tensor, qtype: int, ids: torch.Tensor, k: int)
     from its group -- every byte of a group-block belongs to one row -- and its codes put back
     in GGUF's order."""
     qt = _check(qtype)
+    if qt in KQUANT_BLOCK_BYTES:
+        return deinterleave_kquant_rows(rows, qt, ids, k)
     fields = 2 if qt == QT.Q4_1 else 1  # fp16 scale fields per row: d (and m)
     head = 32 * fields
     pair = torch.arange(2)
@@ -122,22 +153,29 @@ def deinterleave_rows(rows: torch.Tensor, qtype: int, ids: torch.Tensor, k: int)
 
 
 def interleaved_matmul_ref(x: torch.Tensor, rows: torch.Tensor, qtype: int, n: int) -> torch.Tensor:
-    """x (M, K) @ W.T in float64 as the kernel sums it: per block, the activations (rounded to
-    bfloat16) against the integer codes, times the block's scale (Q4_1: plus its min times the
-    block's activation sum). Returns float64 (M, n)."""
+    """x (M, K) @ W.T in float64 as the kernel sums it: per chain block (32 values; a Q6_K
+    sub-block: 16), the activations (rounded to bfloat16) against the integer codes, times the
+    block's scale (Q4_1, Q4_K: plus its min times the block's activation sum). Returns float64
+    (M, n)."""
     qt = _check(qtype)
     m, k = x.shape
-    nb = k // 32
-    scales, codes = _parts(deinterleave(rows, qtype, n, k), qt, n, k)
-    d = scales[..., :2].contiguous().view(torch.float16).double()  # (n, nb, 1)
-    if qt == QT.Q8_0:
-        q = codes.contiguous().view(torch.int8).double()
+    gguf = deinterleave(rows, qtype, n, k)
+    if qt in KQUANT_BLOCK_BYTES:
+        q, d, mins = kquant_chain_blocks(gguf, qt, n, k)
     else:
-        q = codes.double() - (8.0 if qt == QT.Q4_0 else 0.0)
-    xb = x.to(torch.bfloat16).double().reshape(m, nb, 32)
-    s = torch.einsum("mbk,nbk->mnb", xb, q)  # (M, n, nb): each block's integer-code sum
-    out = (s * d[..., 0]).sum(-1)
-    if qt == QT.Q4_1:
-        mins = scales[..., 2:4].contiguous().view(torch.float16).double()[..., 0]  # (n, nb)
+        scales, codes = _parts(gguf, qt, n, k)
+        d = scales[..., :2].contiguous().view(torch.float16).double()[..., 0]  # (n, nb)
+        if qt == QT.Q8_0:
+            q = codes.contiguous().view(torch.int8).double()
+        else:
+            q = codes.double() - (8.0 if qt == QT.Q4_0 else 0.0)
+        mins = None
+        if qt == QT.Q4_1:
+            mins = scales[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
+    v = q.shape[-1]
+    xb = x.to(torch.bfloat16).double().reshape(m, k // v, v)
+    s = torch.einsum("mbk,nbk->mnb", xb, q)  # (M, n, nb): each chain block's integer-code sum
+    out = (s * d).sum(-1)
+    if mins is not None:
         out = out + xb.sum(-1) @ mins.T
     return out

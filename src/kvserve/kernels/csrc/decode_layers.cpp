@@ -29,8 +29,11 @@
 //                float32 / bfloat16 / float16; written at slot_mapping (B,) int64
 //   block_tables (B, width) int64, seq_lens (B,) int64 (this token included)
 //   norms        2 per layer: input_layernorm, post_attention_layernorm (hidden,) float32
-//   qweights     4 per layer: qkv_proj, o_proj, gate_up_proj, down_proj (GGUF rows, uint8),
-//                qtypes their GGML type ids; bf16[j] != 0: weight j multiplies through the
+//   qweights     7 slots per layer: q, k, v, o, gate, up, down (GGUF rows, uint8), qtypes
+//                their GGML type ids. A fused qkv_proj sits in the q slot with k and v
+//                absent (qtype -1, any tensor), a fused gate_up_proj in the gate slot with up
+//                absent: a Q4_K_M file's q/k (Q4_K) and v (Q6_K) cannot be one weight, so each
+//                part is multiplied on its own and its columns put in place. bf16[j] != 0: weight j multiplies through the
 //                bf16 kernel (quant_matmul_bf16_raw), its input rounded to bfloat16 first (a
 //                bfloat16 model on an AVX-512-BF16 CPU, at row counts where that is faster);
 //                bf16[j] == 2: that kernel's AMX tiles (quant_amx.cpp); bf16[j] == 3: that
@@ -108,15 +111,17 @@ inline void store_row(const float* src, int64_t n, T* dst) {
 }
 
 // out (B, N) = in (B, K) @ W^T through the float32 or the bf16 kernel; xb: scratch for the
-// bfloat16 copy of the input.
+// bfloat16 copy of the input (convert false: it already holds this input's).
 void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t qtype,
-             int64_t N, int64_t bf16, int64_t isa, std::vector<uint16_t>& xb, float* out) {
+             int64_t N, int64_t bf16, int64_t isa, std::vector<uint16_t>& xb, float* out,
+             bool convert = true) {
   if (bf16) {
     // rows split over threads from 64 on (a prefill chunk: ~6.5M values a layer at 2000 rows,
     // ~3 ms on one thread); each value rounds the same way on any thread
-    at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
-      kvserve_quant::f32_to_bf16(in + b0 * K, (b1 - b0) * K, xb.data() + b0 * K);
-    });
+    if (convert)
+      at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
+        kvserve_quant::f32_to_bf16(in + b0 * K, (b1 - b0) * K, xb.data() + b0 * K);
+      });
     if (bf16 == 4) {
       const bool ran = kvserve_quant::interleaved_matmul_bf16_raw(xb.data(), B, K,
                                                                   w.data_ptr<uint8_t>(), qtype, N, out);
@@ -136,10 +141,11 @@ void check_layer_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k
                         const char* what, int64_t layer, bool interleaved) {
   if (interleaved) {
     const int64_t bytes = kvserve_quant::interleaved_block_bytes(qtype);
-    TORCH_CHECK(bytes > 0 && k % 32 == 0 && w.scalar_type() == at::kByte && w.dim() == 3 &&
-                    w.size(0) == (n + 15) / 16 && w.size(1) == k / 32 && w.size(2) == bytes,
+    const int64_t bv = kvserve_quant::interleaved_block_values(qtype);
+    TORCH_CHECK(bytes > 0 && k % bv == 0 && w.scalar_type() == at::kByte && w.dim() == 3 &&
+                    w.size(0) == (n + 15) / 16 && w.size(1) == k / bv && w.size(2) == bytes,
                 "decode_layers: layer ", layer, " ", what, ": an interleaved weight of type ",
-                qtype, " (", n, ", ", k, ") must be uint8 (", (n + 15) / 16, ", ", k / 32, ", ",
+                qtype, " (", n, ", ", k, ") must be uint8 (", (n + 15) / 16, ", ", k / bv, ", ",
                 bytes, "), got ", w.scalar_type(), " ", w.sizes());
   } else {
     try {
@@ -150,6 +156,36 @@ void check_layer_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k
   }
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), "decode_layers: layer ", layer, " ",
               what, " must be a contiguous CPU tensor");
+}
+
+// out (B, sum of n) = in @ [W_0; W_1; ..]^T for the slots [j, j + count) present (qtype >= 0)
+// with their row counts n; one present slot writes out directly, several write their columns
+// through part (scratch) in slot order.
+void project_parts(const float* in, int64_t B, int64_t K, at::TensorList w, at::IntArrayRef qtypes,
+                   at::IntArrayRef bf16, int64_t j, const int64_t* n, int count, int64_t isa,
+                   std::vector<uint16_t>& xb, std::vector<float>& part, float* out) {
+  int present = 0;
+  int64_t N = 0;
+  for (int i = 0; i < count; ++i)
+    if (qtypes[j + i] >= 0) ++present, N += n[i];
+  if (present == 1) {
+    for (int i = 0; i < count; ++i)
+      if (qtypes[j + i] >= 0)
+        project(in, B, K, w[j + i], qtypes[j + i], n[i], bf16[j + i], isa, xb, out);
+    return;
+  }
+  bool converted = false;
+  for (int i = 0, col = 0; i < count; col += n[i], ++i) {
+    if (qtypes[j + i] < 0) continue;
+    project(in, B, K, w[j + i], qtypes[j + i], n[i], bf16[j + i], isa, xb, part.data(),
+            !(converted && bf16[j + i]));
+    converted = converted || bf16[j + i];
+    const int64_t ni = n[i], c0 = col;
+    at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b)
+        std::memcpy(out + b * N + c0, part.data() + b * ni, ni * sizeof(float));
+    });
+  }
 }
 
 at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin,
@@ -173,13 +209,14 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   const int64_t H = num_heads, I = intermediate;
   TORCH_CHECK(H > 0 && KVH > 0 && H % KVH == 0 && D % 2 == 0, "decode_layers: num_heads ", H,
               " must be a multiple of kv_heads ", KVH, " and head_dim ", D, " even");
+  constexpr int64_t S = 7;  // weight slots per layer: q, k, v, o, gate, up, down
   TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L &&
-                  static_cast<int64_t>(qweights.size()) == 4 * L &&
-                  static_cast<int64_t>(qtypes.size()) == 4 * L &&
-                  static_cast<int64_t>(bf16.size()) == 4 * L,
-              "decode_layers: ", L, " layers need ", 2 * L, " norms and ", 4 * L,
-              " quantized weights and types, got ", norms.size(), ", ", qweights.size(), ", ",
-              qtypes.size());
+                  static_cast<int64_t>(qweights.size()) == S * L &&
+                  static_cast<int64_t>(qtypes.size()) == S * L &&
+                  static_cast<int64_t>(bf16.size()) == S * L,
+              "decode_layers: ", L, " layers need ", 2 * L, " norms and ", S * L,
+              " weight slots, types and flags, got ", norms.size(), ", ", qweights.size(), ", ",
+              qtypes.size(), ", ", bf16.size());
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == B &&
                     t->size(1) == D && t->is_contiguous(),
@@ -198,16 +235,33 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
       TORCH_CHECK(norms[2 * l + j].scalar_type() == at::kFloat &&
                       norms[2 * l + j].numel() == hidden && norms[2 * l + j].is_contiguous(),
                   "decode_layers: layer ", l, " norm ", j, " must be (", hidden, ",) float32");
-    const int64_t j = 4 * l;
-    check_layer_weight(qweights[j], qtypes[j], qkv_n, hidden, "qkv_proj", l, bf16[j] == 4);
-    check_layer_weight(qweights[j + 1], qtypes[j + 1], hidden, H * D, "o_proj", l,
-                       bf16[j + 1] == 4);
-    check_layer_weight(qweights[j + 2], qtypes[j + 2], 2 * I, hidden, "gate_up_proj", l,
-                       bf16[j + 2] == 4);
-    check_layer_weight(qweights[j + 3], qtypes[j + 3], hidden, I, "down_proj", l,
+    const int64_t j = S * l;
+    const bool fused_qkv = qtypes[j + 1] < 0 && qtypes[j + 2] < 0;
+    const bool fused_gu = qtypes[j + 5] < 0;
+    TORCH_CHECK(qtypes[j] >= 0 && qtypes[j + 3] >= 0 && qtypes[j + 4] >= 0 && qtypes[j + 6] >= 0 &&
+                    (fused_qkv || (qtypes[j + 1] >= 0 && qtypes[j + 2] >= 0)),
+                "decode_layers: layer ", l, ": only k and v (a fused qkv_proj in the q slot) or "
+                "up (a fused gate_up_proj) may be absent, got types ", qtypes.slice(j, S));
+    check_layer_weight(qweights[j], qtypes[j], fused_qkv ? qkv_n : H * D, hidden,
+                       fused_qkv ? "qkv_proj" : "q_proj", l, bf16[j] == 4);
+    if (!fused_qkv) {
+      check_layer_weight(qweights[j + 1], qtypes[j + 1], KVH * D, hidden, "k_proj", l,
+                         bf16[j + 1] == 4);
+      check_layer_weight(qweights[j + 2], qtypes[j + 2], KVH * D, hidden, "v_proj", l,
+                         bf16[j + 2] == 4);
+    }
+    check_layer_weight(qweights[j + 3], qtypes[j + 3], hidden, H * D, "o_proj", l,
                        bf16[j + 3] == 4);
+    check_layer_weight(qweights[j + 4], qtypes[j + 4], fused_gu ? 2 * I : I, hidden,
+                       fused_gu ? "gate_up_proj" : "gate_proj", l, bf16[j + 4] == 4);
+    if (!fused_gu)
+      check_layer_weight(qweights[j + 5], qtypes[j + 5], I, hidden, "up_proj", l,
+                         bf16[j + 5] == 4);
+    check_layer_weight(qweights[j + 6], qtypes[j + 6], hidden, I, "down_proj", l,
+                       bf16[j + 6] == 4);
   }
-  for (int64_t j = 0; j < 4 * L; ++j) {
+  for (int64_t j = 0; j < S * L; ++j) {
+    if (qtypes[j] < 0) continue;  // an absent slot
     TORCH_CHECK(bf16[j] >= 0 && bf16[j] <= 4, "decode_layers: bf16[", j, "] is ", bf16[j],
                 "; 0 (float32 kernel), 1 (bf16 kernel), 2 (bf16 kernel on AMX tiles), 3 "
                 "(bf16 kernel, fixed order) or 4 (interleaved kernel)");
@@ -235,7 +289,8 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   // (and faster for long contexts' decodes: the default path's choice)
   bool one_order = one_order_attention && cache_dtype == at::kBFloat16 &&
                    kvserve_attn::attend_dp_available(H, KVH, D);
-  for (int64_t j = 0; j < 4 * L; ++j) one_order = one_order && (bf16[j] == 3 || bf16[j] == 4);
+  for (int64_t j = 0; j < S * L; ++j)
+    one_order = one_order && (qtypes[j] < 0 || bf16[j] == 3 || bf16[j] == 4);
   const float fscale = static_cast<float>(scale);  // as ATen's float op with a scalar
   at::Tensor x = x_in.contiguous().clone();  // the residual stream, updated in place
   if (B == 0) return x;
@@ -244,6 +299,11 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   // per-step buffers, reused by every layer
   std::vector<float> h(B * hidden), qkv(B * qkv_n), q(B * H * D), attn(B * H * D),
       proj(B * hidden), gu(B * 2 * I), act(B * I);
+  std::vector<float> part;  // one unfused part's columns (q, k, v or gate, up) before placing
+  for (int64_t l = 0; l < L; ++l)
+    if (qtypes[S * l + 1] >= 0 || qtypes[S * l + 5] >= 0) part.resize(B * std::max(H * D, I));
+  const int64_t qkv_parts[3] = {H * D, KVH * D, KVH * D}, gu_parts[2] = {I, I};
+  const int64_t qkv_fused[3] = {qkv_n, 0, 0}, gu_fused[2] = {2 * I, 0};
   std::vector<uint16_t> xb(B * std::max({hidden, H * D, I}));  // bf16 copy of a matmul input
   const int64_t row = KVH * D, layer_elems = NB * bs * row;
   const int64_t elem = kv.element_size();
@@ -256,8 +316,9 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
     char* vc = kv_base + (1 * L + l) * layer_elems * elem;
 
     rms_norm_rows(xp, w_in, B, hidden, eps, h.data());
-    const int64_t j = 4 * l;  // this layer's first weight
-    project(h.data(), B, hidden, qweights[j], qtypes[j], qkv_n, bf16[j], isa, xb, qkv.data());
+    const int64_t j = S * l;  // this layer's first weight slot
+    project_parts(h.data(), B, hidden, qweights, qtypes, bf16, j,
+                  qtypes[j + 1] < 0 ? qkv_fused : qkv_parts, 3, isa, xb, part, qkv.data());
     // per row (its own slot): threads from 32 rows on, a prefill chunk's (~1 us a row)
     at::parallel_for(0, B, 32, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
@@ -289,15 +350,15 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
       kvserve_attn::paged_attend_raw(q.data(), kc, vc, cache_dtype, tables.data_ptr<int64_t>(),
                                      width, lens.data_ptr<int64_t>(), B, H, KVH, D, bs, max_len,
                                      isa, attn.data());
-    project(attn.data(), B, H * D, qweights[j + 1], qtypes[j + 1], hidden, bf16[j + 1], isa, xb,
+    project(attn.data(), B, H * D, qweights[j + 3], qtypes[j + 3], hidden, bf16[j + 3], isa, xb,
             proj.data());
     add_rows(xp, proj.data(), B, hidden);
 
     rms_norm_rows(xp, w_post, B, hidden, eps, h.data());
-    project(h.data(), B, hidden, qweights[j + 2], qtypes[j + 2], 2 * I, bf16[j + 2], isa, xb,
-            gu.data());
+    project_parts(h.data(), B, hidden, qweights, qtypes, bf16, j + 4,
+                  qtypes[j + 5] < 0 ? gu_fused : gu_parts, 2, isa, xb, part, gu.data());
     kvserve_act::silu_mul(gu.data(), B, I, isa, act.data());
-    project(act.data(), B, I, qweights[j + 3], qtypes[j + 3], hidden, bf16[j + 3], isa, xb,
+    project(act.data(), B, I, qweights[j + 6], qtypes[j + 6], hidden, bf16[j + 6], isa, xb,
             proj.data());
     add_rows(xp, proj.data(), B, hidden);
   }

@@ -118,10 +118,11 @@ void run_tile(int mr, const uint8_t* wg, int64_t gstride, int64_t nb, const uint
 template <typename Fmt>
 void matmul(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
             float* out, uint16_t* outb) {
-  const int64_t nb = K / 32, G = (N + kGroupRows - 1) / kGroupRows;
-  const int64_t gbytes = nb * Fmt::kBytes;
+  const int64_t nb = K / Fmt::kValues, G = (N + kGroupRows - 1) / kGroupRows;
+  const int64_t gbytes = Fmt::group_bytes(K);
   std::vector<float> xs;
   if constexpr (Fmt::kHasMin) {
+    static_assert(Fmt::kValues == 32, "block_sums sums 32 activations");
     xs.resize(M * nb);
     block_sums(x, M, K, xs.data());
   }
@@ -173,18 +174,26 @@ int64_t interleaved_block_bytes(int64_t qtype) {
     case kQ4_0: return 288;
     case kQ4_1: return 320;
     case kQ8_0: return 544;
+    case kQ4_K: return 2368;
+    case kQ6_K: return 3360;
     default: return 0;
   }
+}
+
+int64_t interleaved_block_values(int64_t qtype) {
+  return qtype == kQ4_K || qtype == kQ6_K ? 256 : 32;
 }
 
 bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
                             int64_t qtype, int64_t N, float* out, uint16_t* out_bf16) {
 #if defined(__x86_64__)
-  if (!has_avx512_bf16() || K % 32 != 0) return false;
+  if (!has_avx512_bf16() || K % interleaved_block_values(qtype) != 0) return false;
   switch (qtype) {
     case kQ4_0: matmul<Q4_0Rows16>(x, M, K, w, N, out, out_bf16); return true;
     case kQ4_1: matmul<Q4_1Rows16>(x, M, K, w, N, out, out_bf16); return true;
     case kQ8_0: matmul<Q8_0Rows16>(x, M, K, w, N, out, out_bf16); return true;
+    case kQ4_K: matmul<Q4_KRows16>(x, M, K, w, N, out, out_bf16); return true;
+    case kQ6_K: matmul<Q6_KRows16>(x, M, K, w, N, out, out_bf16); return true;
     default: return false;
   }
 #else
@@ -203,16 +212,17 @@ at::Tensor interleaved_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& w,
               "kvserve: x must be a contiguous 2-D bfloat16 tensor, got ", x.scalar_type(), " ",
               x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const int64_t bb = interleaved_block_bytes(qtype);
-  TORCH_CHECK(bb > 0, "kvserve: interleaved_matmul_bf16 supports Q4_0, Q4_1 and Q8_0 (GGML types 2, "
-              "3, 8), got type ", qtype);
-  TORCH_CHECK(K % 32 == 0, "kvserve: interleaved_matmul_bf16 needs K a multiple of 32, got ", K);
+  const int64_t bb = interleaved_block_bytes(qtype), bv = interleaved_block_values(qtype);
+  TORCH_CHECK(bb > 0, "kvserve: interleaved_matmul_bf16 supports Q4_0, Q4_1, Q8_0, Q4_K and Q6_K "
+              "(GGML types 2, 3, 8, 12, 14), got type ", qtype);
+  TORCH_CHECK(K % bv == 0, "kvserve: interleaved_matmul_bf16 needs K a multiple of ", bv,
+              " for type ", qtype, ", got ", K);
   TORCH_CHECK(N > 0, "kvserve: out_features must be positive, got ", N);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
-                  w.size(0) == (N + kGroupRows - 1) / kGroupRows && w.size(1) == K / 32 &&
+                  w.size(0) == (N + kGroupRows - 1) / kGroupRows && w.size(1) == K / bv &&
                   w.size(2) == bb,
               "kvserve: the interleaved weight must be contiguous uint8 (", (N + kGroupRows - 1) / kGroupRows,
-              ", ", K / 32, ", ", bb, ") for N=", N, " K=", K, ", got ", w.scalar_type(), " ",
+              ", ", K / bv, ", ", bb, ") for N=", N, " K=", K, ", got ", w.scalar_type(), " ",
               w.sizes());
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;

@@ -156,6 +156,8 @@ void quant_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_
 // of 32 or qtype has no packed layout (Q4_0, Q4_1, Q8_0 have).
 // Bytes of one (group, block) of the interleaved layout of qtype; 0 when it has none.
 int64_t interleaved_block_bytes(int64_t qtype);
+// Values per (group, block) of that layout along K: 256 for the K-quants, else 32.
+int64_t interleaved_block_values(int64_t qtype);
 // out_bf16 set: the results rounded to bfloat16 (nearest even) there instead of out.
 bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
                                  int64_t qtype, int64_t N, float* out,

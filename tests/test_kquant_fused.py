@@ -1,0 +1,99 @@
+"""A Q4_K_M-style GGUF (written here: random Q4_K / Q6_K blocks, Q6_K on attn_v and ffn_down of
+one layer as llama.cpp's Q4_K_M mix does) on the fused step: q/k/v of mixed types cannot be one
+fused weight, so decode_layers takes them as separate slots. The fused step must give the
+reference path's greedy tokens (float32), and batch-invariant mode must take the file (its
+K-quants interleaved) and give the same bits whole or chunked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import gguf_float_tensors, make_hf_model, random_token_ids, write_gguf
+from gguf import GGMLQuantizationType as GT
+from test_quant_kernels import kernels, random_blocks  # noqa: F401 - kernels: the fixture
+
+from kvserve.engine.llm import LLM
+from kvserve.kernels.build import load_kernels
+from kvserve.kernels.quant_ref import QT
+from kvserve.models.quantized_linear import QuantizedLinear
+from kvserve.sampling import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("kernels")
+
+# K-quant rows need K a multiple of 256: hidden 256, FFN 512, 4 heads of 64, 2 KV heads
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+}
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _q4_k_m_gguf(tmp_path: Path) -> Path:
+    """Layer 0: Q4_K with Q6_K attn_v and ffn_down (q/k/v unfused); layer 1: all Q4_K (fused
+    q/k/v and gate/up)."""
+    model = make_hf_model("llama", **SHAPE)
+    tensors: dict = dict(gguf_float_tensors(model))
+    for i in range(SHAPE["num_hidden_layers"]):
+        for j, part in enumerate(LINEARS):
+            name = f"blk.{i}.{part}.weight"
+            n, k = tensors[name].shape
+            qt = QT.Q6_K if i == 0 and part in ("attn_v", "ffn_down") else QT.Q4_K
+            blocks = random_blocks(qt, n, k, seed=10 * i + j).numpy()
+            tensors[name] = (np.ascontiguousarray(blocks), GT(int(qt)))
+    return write_gguf(tmp_path / "q4_k_m.gguf", model.config, tensors)
+
+
+def _types(model) -> list[tuple[str, int]]:
+    return [(n, m.qtype) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+
+
+def test_a_q4_k_m_file_decodes_fused_with_the_reference_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _q4_k_m_gguf(tmp_path)
+    prompts = [random_token_ids(n, seed=n) for n in (5, 11)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, enforce_eager=True)
+    fused = llm.engine.fused_decode
+    assert fused is not None, "a mixed-type layer must not push the model off the fused step"
+    layer0 = fused.qtypes[:7]
+    assert layer0 == [int(QT.Q4_K), int(QT.Q4_K), int(QT.Q6_K), int(QT.Q4_K), int(QT.Q4_K),
+                      -1, int(QT.Q6_K)]  # fmt: skip
+    assert fused.qtypes[7:] == [int(QT.Q4_K), -1, -1, int(QT.Q4_K), int(QT.Q4_K), -1,
+                                int(QT.Q4_K)]  # fmt: skip
+    got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setenv("KVSERVE_KERNELS", "0")  # the reference: PyTorch dequantize + matmul
+    ref = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, enforce_eager=True)
+    assert ref.engine.fused_decode is None
+    want = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+@pytest.mark.skipif(
+    not (load_kernels() and torch.ops.kvserve.cpu_has_avx512_bf16()),
+    reason="batch-invariant mode needs AVX-512-BF16",
+)
+def test_batch_invariant_mode_takes_a_q4_k_m_file(tmp_path: Path) -> None:
+    path = _q4_k_m_gguf(tmp_path)
+    prompt = random_token_ids(40, seed=3)
+    params = SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
+    )
+
+    def run(chunk: int):
+        llm = LLM(str(path), dtype="bfloat16", batch_invariant=True, num_kv_blocks=64,
+                  enable_prefix_caching=False, max_num_batched_tokens=chunk, max_num_seqs=1)  # fmt: skip
+        model = llm.engine.fused_decode.model
+        linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        assert linears and all(m.policy.interleaved for m in linears), _types(model)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        return out.token_ids, out.logprobs, out.prompt_logprobs
+
+    whole = run(64)
+    assert run(7) == whole
