@@ -197,3 +197,17 @@ def test_bf16_output_is_the_float32_output_rounded() -> None:
     f32 = torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 3, 40)
     b16 = torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 3, 40, True)
     assert b16.dtype == torch.bfloat16 and torch.equal(b16, f32.to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantizing_the_layout_equals_dequantizing_the_gguf_rows(qtype: int) -> None:
+    """The default path's prefill multiplies an interleaved weight through oneDNN after
+    kvserve::interleaved_dequantize_bf16: bit for bit what dequantize_bf16 gives the GGUF rows
+    (a tail group: 37 rows)."""
+    n, k = 37, _k(qtype, 512)
+    q = _weight(qtype, n, k, seed=5)
+    rows = interleave(q, qtype, n, k)
+    got = torch.ops.kvserve.interleaved_dequantize_bf16(rows, qtype, n, k)
+    want = torch.ops.kvserve.dequantize_bf16(q, qtype, n, k)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -65,10 +65,23 @@ inline void q4_products(const uint8_t* codes, int64_t fstride, int64_t gstride,
     }
 }
 
+// The 16 code pair vectors of one 32-value chain block of 4-bit codes (pair 2c: chunk c's low
+// nibbles, 2c + 1 its high ones), as q4_products expands them: a dequantizer's input.
+inline void q4_pairs(const uint8_t* codes, const __m512i table, __m512i (&pr)[16]) {
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    const __m512i w = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
+    pr[2 * c] = _mm512_permutexvar_epi16(w, table);
+    pr[2 * c + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  }
+}
+
 // A format: kValues per chain block (one fresh VDPBF16PS chain, then folded with its scale),
 // kHasMin (Q4_1, Q4_K: a min times the block's activation sum too), group_bytes(K), where
 // chain block b's codes are (codes(); BF blocks from a multiple of BF lie kCodeStride apart),
-// its scales as float32 lanes (scales(): d, and the min term's factor m), and products().
+// its scales as float32 lanes (scales(): d, and the min term's factor m), products(), and
+// pairs() (a chain block's kValues / 2 code pair vectors, for the dequantizer).
 
 // fp16 field of 16 rows at p -> float32 lanes
 inline __m512 half16(const uint8_t* p) {
@@ -98,6 +111,9 @@ struct Q4Rows16 {
                               __m512 (&s)[NG][BF][MR]) {
     q4_products<MR, BF, NG>(codes, fstride, gstride, table, x, ldx, s);
   }
+  static inline void pairs(const uint8_t* codes, const Table& table, __m512i (&pr)[16]) {
+    q4_pairs(codes, table, pr);
+  }
 };
 using Q4_0Rows16 = Q4Rows16<false>;
 using Q4_1Rows16 = Q4Rows16<true>;
@@ -116,6 +132,13 @@ struct Q8_0Rows16 {
   static inline void scales(const uint8_t* wg, int64_t b, __m512& d, __m512&) {
     d = half16(wg + b * kBytes);
   }
+  // chunk p (32 int8 codes: row i's pair at bytes 2i, 2i + 1) as 16 bfloat16 pairs
+  static inline __m512bh pair_words(const uint8_t* chunk) {
+    const __m128i* src = reinterpret_cast<const __m128i*>(chunk);
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
+    const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
+    return _mm512_cvtne2ps_pbh(b, a);  // exact: |q| <= 128
+  }
   template <int MR, int BF, int NG>
   static inline void products(const uint8_t* codes, int64_t fstride, int64_t gstride,
                               const Table&, const uint16_t* x, int64_t ldx,
@@ -126,13 +149,7 @@ struct Q8_0Rows16 {
       for (int f = 0; f < BF; ++f) {
         __m512bh w[NG];
 #pragma GCC unroll 4
-        for (int g = 0; g < NG; ++g) {
-          const __m128i* src =
-              reinterpret_cast<const __m128i*>(codes + g * gstride + f * fstride + 32 * p);
-          const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src)));
-          const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1)));
-          w[g] = _mm512_cvtne2ps_pbh(b, a);  // exact: |q| <= 128
-        }
+        for (int g = 0; g < NG; ++g) w[g] = pair_words(codes + g * gstride + f * fstride + 32 * p);
         const uint16_t* xf = x + 32 * f + 2 * p;
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
@@ -141,6 +158,10 @@ struct Q8_0Rows16 {
           for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], w[g], a);
         }
       }
+  }
+  static inline void pairs(const uint8_t* codes, const Table&, __m512i (&pr)[16]) {
+#pragma GCC unroll 16
+    for (int p = 0; p < 16; ++p) pr[p] = reinterpret_cast<__m512i>(pair_words(codes + 32 * p));
   }
 };
 
@@ -164,13 +185,19 @@ struct Q4_KRows16 {
     const uint8_t* h = wg + (b >> 3) * kSuper;
     const int64_t s = b & 7;
     d = _mm512_mul_ps(half16(h), bytes16(h + 64 + 16 * s));
-    m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(h + 32), bytes16(h + 192 + 16 * s)));
+    // -(dmin * mn), the sign flipped as the scalar decoder's negation (a zero stays signed)
+    m = _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(_mm512_mul_ps(half16(h + 32), bytes16(h + 192 + 16 * s))),
+        _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   }
   template <int MR, int BF, int NG>
   static inline void products(const uint8_t* codes, int64_t fstride, int64_t gstride,
                               const Table& table, const uint16_t* x, int64_t ldx,
                               __m512 (&s)[NG][BF][MR]) {
     q4_products<MR, BF, NG>(codes, fstride, gstride, table, x, ldx, s);
+  }
+  static inline void pairs(const uint8_t* codes, const Table& table, __m512i (&pr)[16]) {
+    q4_pairs(codes, table, pr);
   }
 };
 
@@ -202,6 +229,19 @@ struct Q6_KRows16 {
     const __m512i idx = _mm512_ternarylogic_epi32(w, hb, t.nibble, 0xE4);  // c ? a : b
     return reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(t.lo, idx, t.hi));
   }
+  // chunk c's two code pair vectors (values 4c, 4c + 1 and 4c + 2, 4c + 3 of the sub-block)
+  static inline void chunk(const uint8_t* codes, int c, const Table& table, __m512bh& lo,
+                           __m512bh& hi) {
+    const __m512i w = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
+    const __m512i hb = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128 + 32 * (c >> 1))));
+    // chunk 2p: its pairs' high bits at bits 0-1 (low) and 2-3 (high); 2p + 1: 4-5, 6-7
+    const __m512i hl = (c & 1) ? hb : _mm512_slli_epi16(hb, 4);
+    const __m512i hh = (c & 1) ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
+    lo = lookup(table, w, hl);
+    hi = lookup(table, _mm512_srli_epi16(w, 4), hh);
+  }
   template <int MR, int BF, int NG>
   static inline void products(const uint8_t* codes, int64_t fstride, int64_t gstride,
                               const Table& table, const uint16_t* x, int64_t ldx,
@@ -212,18 +252,7 @@ struct Q6_KRows16 {
       for (int f = 0; f < BF; ++f) {
         __m512bh lo[NG], hi[NG];
 #pragma GCC unroll 4
-        for (int g = 0; g < NG; ++g) {
-          const uint8_t* cf = codes + g * gstride + f * fstride;
-          const __m512i w = _mm512_cvtepu8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cf + 32 * c)));
-          const __m512i hb = _mm512_cvtepu8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cf + 128 + 32 * (c >> 1))));
-          // chunk 2p: its pairs' high bits at bits 0-1 (low) and 2-3 (high); 2p + 1: 4-5, 6-7
-          const __m512i hl = (c & 1) ? hb : _mm512_slli_epi16(hb, 4);
-          const __m512i hh = (c & 1) ? _mm512_srli_epi16(hb, 2) : _mm512_slli_epi16(hb, 2);
-          lo[g] = lookup(table, w, hl);
-          hi[g] = lookup(table, _mm512_srli_epi16(w, 4), hh);
-        }
+        for (int g = 0; g < NG; ++g) chunk(codes + g * gstride + f * fstride, c, table, lo[g], hi[g]);
         const uint16_t* xf = x + 16 * f + 4 * c;
 #pragma GCC unroll 16
         for (int m = 0; m < MR; ++m) {
@@ -238,6 +267,15 @@ struct Q6_KRows16 {
           for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], hi[g], a);
         }
       }
+  }
+  static inline void pairs(const uint8_t* codes, const Table& table, __m512i (&pr)[8]) {
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      __m512bh lo, hi;
+      chunk(codes, c, table, lo, hi);
+      pr[2 * c] = reinterpret_cast<__m512i>(lo);
+      pr[2 * c + 1] = reinterpret_cast<__m512i>(hi);
+    }
   }
 };
 
