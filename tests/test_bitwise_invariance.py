@@ -84,22 +84,38 @@ def test_every_step_runs_the_fixed_order_kernel() -> None:
 @needs_invariant_path
 def test_the_mode_holds_each_weight_once_interleaved() -> None:
     """Interleaving (models/fixed_order.py) replaces the GGUF rows: the fused layers' members
-    view the fused weight's groups and the tied embedding reads the lm_head's, so resident
-    bytes do not grow (against the default path's GGUF rows), and the embedding's rows are the
-    same numbers."""
-    from kvserve.models.quantized_linear import QuantizedLinear
+    view the fused weight's groups and the tied embedding reads the lm_head's, so the bytes
+    held are the file's (Q4_1 and Q8_0 keep their bytes per value), the mode holds what the
+    default path holds, and the embedding's rows are the file's numbers."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from kvserve.kernels.quant_ref import dequantize_rows
+    from kvserve.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
     from kvserve.models.weight_formats import resident_bytes
 
     model = _llm(num_kv_blocks=16).engine.fused_decode.model
     plain = LLM(str(default_model_path()), num_kv_blocks=16, enforce_eager=True)
     base = plain.engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert linears and all(m.policy.interleaved for m in linears)
-    assert model.model.embed_tokens.interleaved and not base.model.embed_tokens.interleaved
+    for m in (model, base):
+        linears = [q for q in m.modules() if isinstance(q, QuantizedLinear)]
+        assert linears and all(q.policy.interleaved for q in linears)
+        assert m.model.embed_tokens.interleaved
     assert resident_bytes(model) == resident_bytes(base)
+    reader = GGUFReader(str(default_model_path()))
+    quantized = [t for t in reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0")]
+    held = {
+        q.qweight.untyped_storage().data_ptr(): q.qweight.untyped_storage().nbytes()
+        for q in model.modules()
+        if isinstance(q, QuantizedLinear | QuantizedEmbedding)
+    }
+    assert sum(held.values()) == sum(int(t.n_bytes) for t in quantized)
+    (embd,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    table = torch.from_numpy(np.array(embd.data, copy=True))
     ids = torch.tensor([0, 1, 17, 49151, 300])
-    assert torch.equal(model.model.embed_tokens(ids), base.model.embed_tokens(ids))
-    assert torch.equal(model.model.embed_tokens.weight[ids], base.model.embed_tokens.weight[ids])
+    want = dequantize_rows(table, int(embd.tensor_type), ids, table.shape[1] // 34 * 32)
+    assert torch.equal(model.model.embed_tokens(ids).float(), want.to(torch.bfloat16).float())
+    assert torch.equal(model.model.embed_tokens.weight[ids], want)
 
 
 @needs_invariant_path

@@ -210,4 +210,6 @@ def test_dequantizing_the_layout_equals_dequantizing_the_gguf_rows(qtype: int) -
     rows = interleave(q, qtype, n, k)
     got = torch.ops.kvserve.interleaved_dequantize_bf16(rows, qtype, n, k)
     want = torch.ops.kvserve.dequantize_bf16(q, qtype, n, k)
-    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got.dtype == torch.bfloat16 and torch.equal(
+        got.view(torch.int16), want.view(torch.int16)
+    )

@@ -180,6 +180,7 @@ def test_fused_decode_through_the_bf16_kernel(
     )
     for m in model.modules():  # every quantized layer, eager and fused, on the bf16 kernel
         if isinstance(m, QuantizedLinear):
+            m.qweight = m.gguf_rows()  # GGUF rows, where the load interleaved them
             m.policy = forced
     storage, md, ids, pos = prefilled(model, [6, 11])
     (eager, eager_kv), (got, got_kv) = both_ways(model, storage, md, ids, pos)

@@ -111,6 +111,8 @@ class FusedDecode:
         self.max_rows = min(
             1 << 62
             if p.fixed_order
+            else p.interleaved_max_rows
+            if p.interleaved
             else max(p.kernel_max_rows, p.bf16_kernel_max_rows if self.bf16 else 0)
             for p in self.policies
         )

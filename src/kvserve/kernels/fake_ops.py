@@ -48,6 +48,10 @@ def register_fakes() -> None:
     def _dequantize_bf16(qweight, qtype, out_features, in_features):
         return qweight.new_empty((out_features, in_features), dtype=torch.bfloat16)
 
+    @torch.library.register_fake("kvserve::interleaved_dequantize_bf16")
+    def _interleaved_dequantize_bf16(w, qtype, out_features, in_features):
+        return w.new_empty((out_features, in_features), dtype=torch.bfloat16)
+
     # paged_decode_attention and paged_decode_attention_quant (q-shaped, q's dtype) have C++
     # Meta kernels instead, over sym_sizes, so sizes stay symbolic there too; register_fake
     # raises for an op that has one, which would fail this whole registration.

@@ -12,12 +12,14 @@
 - ``bf16 kernel, fixed order`` (``fixed_order``: batch-invariant mode, a bfloat16 model on a
   CPU with AVX-512-BF16): the bf16 kernel at every row count, each output summed in one order whatever
   the row count, so a request's numbers do not depend on its batch (ARCHITECTURE.md);
-- ``bf16 kernel, interleaved`` (``fixed_order`` and ``interleaved``: batch-invariant mode, a
-  Q4_0 / Q4_1 / Q8_0 weight; the layout is ``kernels/interleaved_weights.py``): the weight's
-  16-row groups times bfloat16 activations, scales applied per block, one order at every row
-  count;
+- ``bf16 kernel, interleaved`` (``interleaved``: a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weight of
+  a bfloat16 model on a CPU with AVX-512-BF16 and no AMX, held in the layout of
+  ``kernels/interleaved_weights.py``): the weight's 16-row groups times bfloat16 activations,
+  scales applied per block, one order at every row count; up to ``interleaved_max_rows`` rows
+  (a decode, a small batch), or every row count with ``fixed_order`` (batch-invariant mode);
 - ``dequant+matmul``: the C++ dequantizer into a float32 weight (a bfloat16 model on a CPU
-  with native bfloat16: straight into a bf16 weight, ``dequantize_bf16``), then ``F.linear``
+  with native bfloat16: straight into a bf16 weight, ``dequantize_bf16``, or
+  ``interleaved_dequantize_bf16`` for an interleaved one, the same bits), then ``F.linear``
   (oneDNN);
 - ``reference``: the pure-PyTorch dequantizer, then ``F.linear`` -- the fallback wherever the
   extension did not build or is turned off, and the truth the kernels are tested against.
@@ -57,9 +59,11 @@ class QuantPolicy:
     # "Bitwise invariance"); the thresholds above are then unused. Set for a bfloat16 model on
     # a CPU with AVX-512-BF16.
     fixed_order: bool = False
-    # with fixed_order: the module's qweight holds the interleaved layout
-    # (kernels/interleaved_weights.py) and multiplies through kvserve::interleaved_matmul_bf16
+    # the module's qweight holds the interleaved layout (kernels/interleaved_weights.py) and
+    # multiplies through kvserve::interleaved_matmul_bf16 up to interleaved_max_rows rows
+    # (every row count with fixed_order), above that through its dequantized bf16 weight
     interleaved: bool = False
+    interleaved_max_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.isa not in (-1, 0, 1, 2):
@@ -79,15 +83,21 @@ class QuantPolicy:
 
         if self.fixed_order and not (self.use_kernels and self.native_bf16):
             raise ValueError("fixed_order needs the kernels (use_kernels) and native_bf16")
-        if self.interleaved and not self.fixed_order:
-            raise ValueError("interleaved needs fixed_order (batch-invariant mode)")
+        if self.interleaved and not (self.use_kernels and self.native_bf16):
+            raise ValueError("interleaved needs the kernels (use_kernels) and native_bf16")
+        if self.interleaved_max_rows < 0:
+            raise ValueError(f"interleaved_max_rows must be >= 0, got {self.interleaved_max_rows}")
 
     def path(self, rows: int, bf16: bool = False) -> str:
         """The path ``rows`` activation rows take (``bf16``: the activations are bfloat16)."""
         if not self.use_kernels:
             return "reference"
+        if self.interleaved:
+            if self.fixed_order or rows <= self.interleaved_max_rows:
+                return "bf16 kernel, interleaved"
+            return "dequant+matmul"
         if self.fixed_order:
-            return "bf16 kernel, interleaved" if self.interleaved else "bf16 kernel, fixed order"
+            return "bf16 kernel, fixed order"
         if rows <= self.kernel_max_rows:
             return "kernel"
         if bf16 and rows <= self.bf16_kernel_max_rows:
@@ -105,7 +115,12 @@ def quant_linear(
     k = x.shape[-1]
     x2 = x.reshape(-1, k)  # (M, K)
     rows = x2.shape[0]
-    if policy.fixed_order:  # every row count: one summation order (a float32 x is rounded)
+    if policy.interleaved and not (policy.fixed_order or rows <= policy.interleaved_max_rows):
+        # a prefill chunk: oneDNN's GEMM on the dequantized weight (dequantize_bf16's bits)
+        w = torch.ops.kvserve.interleaved_dequantize_bf16(qweight, qtype, out_features, k)
+        y = F.linear(x2.to(torch.bfloat16), w)
+        return y.to(x.dtype).view(*x.shape[:-1], out_features)
+    if policy.fixed_order or policy.interleaved:  # one summation order (a float32 x is rounded)
         xb = x2.to(torch.bfloat16).contiguous()
         if policy.interleaved:
             # a bfloat16 model's output rounded in the kernel's store (no float32 copy)
