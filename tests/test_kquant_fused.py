@@ -97,3 +97,31 @@ def test_batch_invariant_mode_takes_a_q4_k_m_file(tmp_path: Path) -> None:
 
     whole = run(64)
     assert run(7) == whole
+
+
+@pytest.mark.skipif(
+    not (
+        load_kernels()
+        and torch.ops.kvserve.cpu_has_avx512_bf16()
+        and not torch.ops.kvserve.cpu_has_amx_bf16()
+    ),
+    reason="the default path interleaves on AVX-512-BF16 CPUs without AMX",
+)
+def test_the_default_bfloat16_path_decodes_a_q4_k_m_file_interleaved(tmp_path: Path) -> None:
+    """bfloat16 at defaults: every K-quant weight interleaved at load, decode through the
+    interleaved kernel inside the fused step, the float32 reference path's greedy tokens."""
+    path = _q4_k_m_gguf(tmp_path)
+    prompt = random_token_ids(24, seed=4)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert linears and all(m.policy.interleaved for m in linears), _types(model)
+    fused = llm.engine.fused_decode
+    assert fused is not None and fused.max_rows >= 16
+    assert set(fused._bf16_flags.get(1, [4])) <= {0, 4}
+    (got,) = llm.generate([prompt], params, use_tqdm=False)
+    assert fused._bf16_flags[1] == [0 if t < 0 else 4 for t in fused.qtypes]
+    ref = LLM(str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    (want,) = ref.generate([prompt], params, use_tqdm=False)
+    assert got.token_ids == want.token_ids
