@@ -114,3 +114,40 @@ def test_the_second_load_reads_the_thresholds_instead_of_measuring(
     # another machine key (say, a different thread count) measures again
     load_model(ckpt, "float32", quantization="q8_0", thresholds=RowThresholdCache(path, "n"))
     assert len(calls) == 2 * measured
+
+
+def test_interleaved_thresholds_are_read_back_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bfloat16 model on AVX-512-BF16 without AMX measures its interleaved weights' row
+    threshold (measure_interleaved_max_rows) once: the second load reads it."""
+    build_kernels()
+    features = detect_cpu_features()
+    if not weight_formats._interleaves(features, torch.bfloat16):
+        pytest.skip("the default path interleaves only on AVX-512-BF16 CPUs without AMX")
+    ckpt, _ = make_hf_checkpoint(tmp_path, "llama")
+    path = tmp_path / "thresholds.json"
+    calls = []
+    measure = weight_formats.measure_interleaved_max_rows
+
+    def counted(*args, **kwargs):
+        calls.append(args[1:4])
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(weight_formats, "measure_interleaved_max_rows", counted)
+    first = load_model(
+        ckpt, "bfloat16", quantization="q8_0", thresholds=RowThresholdCache(path, "m")
+    )
+    assert calls, "the first load measures"
+    measured = len(calls)
+    cache = RowThresholdCache(path, "m")
+    second = load_model(ckpt, "bfloat16", quantization="q8_0", thresholds=cache)
+    assert len(calls) == measured and cache.hits == measured
+
+    def policies(model: torch.nn.Module) -> dict[str, object]:
+        return {n: m.policy for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+    assert policies(second.model) == policies(first.model)
+    assert all(
+        p.interleaved and p.interleaved_max_rows >= 16 for p in policies(first.model).values()
+    )

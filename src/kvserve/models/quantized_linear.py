@@ -249,7 +249,7 @@ def measure_interleaved_max_rows(
     qtype: int,
     out_features: int,
     in_features: int,
-    candidates: tuple[int, ...] = (32, 64, 128, 256, 512, 1024),
+    candidates: tuple[int, ...] = (32, 64, 128, 256, 512),
     repeat: int = 3,
 ) -> int:
     """Rows up to which the interleaved kernel beats oneDNN on the dequantized weight, for the

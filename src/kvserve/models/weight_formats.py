@@ -123,7 +123,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def _interleaves(features: CpuFeatures, dtype: torch.dtype) -> bool:
     """Whether interleavable weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) take the interleaved layout
     at load: a bfloat16 model on a CPU with AVX-512-BF16 and no AMX. Decode runs through the
-    interleaved kernel there (a 1.1B Q4_0 / Q4_K_M file decoded 1.9x / 3x faster than through
+    interleaved kernel there (a 1.1B Q4_0 / Q4_K_M file decoded 2.6x / 4x faster than through
     the measured GGUF-row paths, Zen 5, benchmarks/decode.py), prefill chunks through oneDNN
     on the dequantized weight as before. AMX CPUs keep their measured paths (AMX tiles for
     prefill; the interleaved kernel is unmeasured there)."""
@@ -178,8 +178,9 @@ def _policies(
                 )
             measured += 1
             if inter:  # the interleaved kernel against oneDNN; GGUF-row paths unmeasured
+                # (cached as (0, its rows, 0): the key says interleaved)
                 rows = interleave(q.data, q.qtype, q.shape[0], q.shape[1])
-                found = (measure_interleaved_max_rows(rows, q.qtype, q.shape[0], q.shape[1]),)
+                found = (0, measure_interleaved_max_rows(rows, *key), 0)
             else:
                 found = measure_kernel_max_rows(
                     q.data, q.qtype, q.shape[0], q.shape[1], isa, bf16, bf16_kernel, amx=amx
@@ -189,7 +190,7 @@ def _policies(
         if inter:
             # placeholder until interleave_weights switches the layout: dequant+matmul on
             # GGUF rows (kept only by a weight whose storage cannot be shared in groups)
-            (inter_rows,) = found
+            inter_rows = found[1]
             out[key] = QuantPolicy(
                 use_kernels=True,
                 isa=isa,
