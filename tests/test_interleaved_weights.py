@@ -137,7 +137,7 @@ def test_kernel_refuses_bad_input_by_name() -> None:
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 2, 48)
     with pytest.raises(RuntimeError, match="supports Q4_0, Q4_1, Q8_0, Q4_K and Q6_K"):
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 6, 32)
-    with pytest.raises(RuntimeError, match="K a multiple of 256 for type 12"):
+    with pytest.raises(RuntimeError, match="multiple of 256 for type 12"):
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 12, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.kvserve.interleaved_matmul_bf16(x.float(), rows, 2, 32)

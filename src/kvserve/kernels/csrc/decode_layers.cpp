@@ -135,24 +135,17 @@ void project(const float* in, int64_t B, int64_t K, const at::Tensor& w, int64_t
   }
 }
 
-// quant_matmul's weight check (interleaved: the (ceil(n / 16), k / 32, bytes) shape), with
-// the layer named; the raw loops also need CPU, contiguous.
+// quant_matmul's weight check (interleaved: interleaved_matmul_bf16's), with the layer named;
+// the raw loops also need CPU, contiguous.
 void check_layer_weight(const at::Tensor& w, int64_t qtype, int64_t n, int64_t k,
                         const char* what, int64_t layer, bool interleaved) {
-  if (interleaved) {
-    const int64_t bytes = kvserve_quant::interleaved_block_bytes(qtype);
-    const int64_t bv = kvserve_quant::interleaved_block_values(qtype);
-    TORCH_CHECK(bytes > 0 && k % bv == 0 && w.scalar_type() == at::kByte && w.dim() == 3 &&
-                    w.size(0) == (n + 15) / 16 && w.size(1) == k / bv && w.size(2) == bytes,
-                "decode_layers: layer ", layer, " ", what, ": an interleaved weight of type ",
-                qtype, " (", n, ", ", k, ") must be uint8 (", (n + 15) / 16, ", ", k / bv, ", ",
-                bytes, "), got ", w.scalar_type(), " ", w.sizes());
-  } else {
-    try {
+  try {
+    if (interleaved)
+      kvserve_quant::check_interleaved_weight(w, qtype, n, k, "decode_layers");
+    else
       kvserve_quant::check_weight(w, qtype, n, k);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "decode_layers: layer ", layer, " ", what, ": ", e.msg());
-    }
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "decode_layers: layer ", layer, " ", what, ": ", e.msg());
   }
   TORCH_CHECK(w.device().is_cpu() && w.is_contiguous(), "decode_layers: layer ", layer, " ",
               what, " must be a contiguous CPU tensor");

@@ -91,16 +91,7 @@ at::Tensor interleaved_dequantize_bf16_cpu(const at::Tensor& w, int64_t qtype,
   TORCH_CHECK(has_avx512_bf16(), "kvserve: interleaved_dequantize_bf16 needs AVX-512-BF16, "
               "which this CPU lacks");
   const int64_t N = out_features, K = in_features;
-  const int64_t bb = interleaved_block_bytes(qtype), bv = interleaved_block_values(qtype);
-  TORCH_CHECK(bb > 0, "kvserve: no interleaved layout for GGML type ", qtype);
-  TORCH_CHECK(N > 0 && K > 0 && K % bv == 0, "kvserve: interleaved_dequantize_bf16 needs N > 0 "
-              "and K a positive multiple of ", bv, ", got N=", N, " K=", K);
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
-                  w.dim() == 3 && w.size(0) == (N + 15) / 16 && w.size(1) == K / bv &&
-                  w.size(2) == bb,
-              "kvserve: the interleaved weight must be contiguous uint8 (", (N + 15) / 16, ", ",
-              K / bv, ", ", bb, ") for N=", N, " K=", K, ", got ", w.scalar_type(), " ",
-              w.sizes());
+  check_interleaved_weight(w, qtype, N, K, "interleaved_dequantize_bf16");
   at::Tensor out = at::empty({N, K}, w.options().dtype(at::kBFloat16));
 #if defined(__x86_64__)
   const uint8_t* wp = w.data_ptr<uint8_t>();

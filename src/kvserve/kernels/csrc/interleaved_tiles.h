@@ -24,6 +24,20 @@ inline __m512i code_table(int offset, int period = 16) {
   return _mm512_load_si512(t);
 }
 
+// s[g][f][m] += w[g] . (x pair at xp + m * ldx) for rows m < MR and groups g < NG: one code
+// pair vector per group, each activation pair broadcast once for the NG groups
+template <int MR, int BF, int NG>
+__attribute__((always_inline)) inline void mac(__m512 (&s)[NG][BF][MR], int f,
+                                               const __m512bh (&w)[NG], const uint16_t* xp,
+                                               int64_t ldx) {
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) {
+    const __m512bh a = bcast_pair(xp + m * ldx);
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], w[g], a);
+  }
+}
+
 // Products of BF chain blocks' 4-bit codes with broadcast activation pairs: s[g][f][m] +=
 // the products of group g's chain block f with activation rows m < MR. Chain block f's codes
 // at codes + g * gstride + f * fstride, 8 chunks of 32 bytes (chunk c, byte 2i + j: row i's
@@ -50,18 +64,8 @@ inline void q4_products(const uint8_t* codes, int64_t fstride, int64_t gstride,
             _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table));
       }
       const uint16_t* xf = x + 32 * f + 4 * c;
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const __m512bh a = bcast_pair(xf + m * ldx);
-#pragma GCC unroll 4
-        for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], lo[g], a);
-      }
-#pragma GCC unroll 16
-      for (int m = 0; m < MR; ++m) {
-        const __m512bh a = bcast_pair(xf + m * ldx + 2);
-#pragma GCC unroll 4
-        for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], hi[g], a);
-      }
+      mac<MR, BF, NG>(s, f, lo, xf, ldx);
+      mac<MR, BF, NG>(s, f, hi, xf + 2, ldx);
     }
 }
 
@@ -150,13 +154,7 @@ struct Q8_0Rows16 {
         __m512bh w[NG];
 #pragma GCC unroll 4
         for (int g = 0; g < NG; ++g) w[g] = pair_words(codes + g * gstride + f * fstride + 32 * p);
-        const uint16_t* xf = x + 32 * f + 2 * p;
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) {
-          const __m512bh a = bcast_pair(xf + m * ldx);
-#pragma GCC unroll 4
-          for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], w[g], a);
-        }
+        mac<MR, BF, NG>(s, f, w, x + 32 * f + 2 * p, ldx);
       }
   }
   static inline void pairs(const uint8_t* codes, const Table&, __m512i (&pr)[16]) {
@@ -254,18 +252,8 @@ struct Q6_KRows16 {
 #pragma GCC unroll 4
         for (int g = 0; g < NG; ++g) chunk(codes + g * gstride + f * fstride, c, table, lo[g], hi[g]);
         const uint16_t* xf = x + 16 * f + 4 * c;
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) {
-          const __m512bh a = bcast_pair(xf + m * ldx);
-#pragma GCC unroll 4
-          for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], lo[g], a);
-        }
-#pragma GCC unroll 16
-        for (int m = 0; m < MR; ++m) {
-          const __m512bh a = bcast_pair(xf + m * ldx + 2);
-#pragma GCC unroll 4
-          for (int g = 0; g < NG; ++g) s[g][f][m] = _mm512_dpbf16_ps(s[g][f][m], hi[g], a);
-        }
+        mac<MR, BF, NG>(s, f, lo, xf, ldx);
+        mac<MR, BF, NG>(s, f, hi, xf + 2, ldx);
       }
   }
   static inline void pairs(const uint8_t* codes, const Table& table, __m512i (&pr)[8]) {

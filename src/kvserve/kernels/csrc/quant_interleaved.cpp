@@ -184,6 +184,21 @@ int64_t interleaved_block_values(int64_t qtype) {
   return qtype == kQ4_K || qtype == kQ6_K ? 256 : 32;
 }
 
+void check_interleaved_weight(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K,
+                              const char* op) {
+  const int64_t bb = interleaved_block_bytes(qtype), bv = interleaved_block_values(qtype);
+  TORCH_CHECK(bb > 0, "kvserve: ", op, " supports Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (GGML types "
+              "2, 3, 8, 12, 14), got type ", qtype);
+  TORCH_CHECK(K > 0 && K % bv == 0, "kvserve: ", op, " needs K a positive multiple of ", bv,
+              " for type ", qtype, ", got ", K);
+  TORCH_CHECK(N > 0, "kvserve: out_features must be positive, got ", N);
+  const int64_t G = (N + kGroupRows - 1) / kGroupRows;
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.dim() == 3 && w.size(0) == G && w.size(1) == K / bv && w.size(2) == bb,
+              "kvserve: the interleaved weight must be contiguous uint8 (", G, ", ", K / bv, ", ",
+              bb, ") for N=", N, " K=", K, ", got ", w.scalar_type(), " ", w.sizes());
+}
+
 bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
                             int64_t qtype, int64_t N, float* out, uint16_t* out_bf16) {
 #if defined(__x86_64__)
@@ -212,18 +227,7 @@ at::Tensor interleaved_matmul_bf16_cpu(const at::Tensor& x, const at::Tensor& w,
               "kvserve: x must be a contiguous 2-D bfloat16 tensor, got ", x.scalar_type(), " ",
               x.sizes());
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  const int64_t bb = interleaved_block_bytes(qtype), bv = interleaved_block_values(qtype);
-  TORCH_CHECK(bb > 0, "kvserve: interleaved_matmul_bf16 supports Q4_0, Q4_1, Q8_0, Q4_K and Q6_K "
-              "(GGML types 2, 3, 8, 12, 14), got type ", qtype);
-  TORCH_CHECK(K % bv == 0, "kvserve: interleaved_matmul_bf16 needs K a multiple of ", bv,
-              " for type ", qtype, ", got ", K);
-  TORCH_CHECK(N > 0, "kvserve: out_features must be positive, got ", N);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.dim() == 3 &&
-                  w.size(0) == (N + kGroupRows - 1) / kGroupRows && w.size(1) == K / bv &&
-                  w.size(2) == bb,
-              "kvserve: the interleaved weight must be contiguous uint8 (", (N + kGroupRows - 1) / kGroupRows,
-              ", ", K / bv, ", ", bb, ") for N=", N, " K=", K, ", got ", w.scalar_type(), " ",
-              w.sizes());
+  check_interleaved_weight(w, qtype, N, K, "interleaved_matmul_bf16");
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_bf16 ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());

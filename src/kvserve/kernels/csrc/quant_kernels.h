@@ -158,6 +158,9 @@ void quant_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_
 int64_t interleaved_block_bytes(int64_t qtype);
 // Values per (group, block) of that layout along K: 256 for the K-quants, else 32.
 int64_t interleaved_block_values(int64_t qtype);
+// TORCH_CHECKs an interleaved (N, K) weight of qtype for `op`: its type, K, and the shape.
+void check_interleaved_weight(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K,
+                              const char* op);
 // out_bf16 set: the results rounded to bfloat16 (nearest even) there instead of out.
 bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const uint8_t* w,
                                  int64_t qtype, int64_t N, float* out,
