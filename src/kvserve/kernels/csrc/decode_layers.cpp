@@ -33,13 +33,16 @@
 //                their GGML type ids. A fused qkv_proj sits in the q slot with k and v
 //                absent (qtype -1, any tensor), a fused gate_up_proj in the gate slot with up
 //                absent: a Q4_K_M file's q/k (Q4_K) and v (Q6_K) cannot be one weight, so each
-//                part is multiplied on its own and its columns put in place. bf16[j] != 0: weight j multiplies through the
-//                bf16 kernel (quant_matmul_bf16_raw), its input rounded to bfloat16 first (a
-//                bfloat16 model on an AVX-512-BF16 CPU, at row counts where that is faster);
+//                part is multiplied on its own and its columns put in place.
+//                bf16[j] != 0: weight j multiplies through the bf16 kernel
+//                (quant_matmul_bf16_raw), its input rounded to bfloat16 first (a bfloat16
+//                model on an AVX-512-BF16 CPU, at row counts where that is faster);
 //                bf16[j] == 2: that kernel's AMX tiles (quant_amx.cpp); bf16[j] == 3: that
 //                kernel in its fixed order (quant_bf16.cpp), the same bits at any B;
 //                bf16[j] == 4: qweights[j] holds the interleaved layout, multiplied by
-//                quant_interleaved.cpp (its one order, the same bits at any B)
+//                quant_interleaved.cpp (its one order, the same bits at any B: the default
+//                path's decode of a bfloat16 model on AVX-512-BF16 without AMX, and every
+//                step in batch-invariant mode)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
