@@ -149,5 +149,5 @@ def test_interleaved_thresholds_are_read_back_too(
 
     assert policies(second.model) == policies(first.model)
     assert all(
-        p.interleaved and p.interleaved_max_rows >= 16 for p in policies(first.model).values()
+        p.interleaved and p.interleaved_max_rows >= 128 for p in policies(first.model).values()
     )
