@@ -20,10 +20,10 @@ from kvserve.kernels.interleaved_weights import (
 )
 from kvserve.kernels.quant_ref import QT, block_size, dequantize_ref, quantize
 
-TYPES = [2, 3, 8, 12, 14]  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
-KQUANTS = (12, 14)
+TYPES = [2, 3, 8, 12, 13, 14]  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K
+KQUANTS = (12, 13, 14)
 # byte offsets of a K-quant block's fp16 fields (d, dmin)
-KQUANT_FP16 = {12: (0, 2), 14: (208,)}
+KQUANT_FP16 = {12: (0, 2), 13: (0, 2), 14: (208,)}
 
 needs_kernel = pytest.mark.skipif(
     not (load_kernels() and torch.ops.kvserve.cpu_has_avx512_bf16()),
@@ -65,7 +65,7 @@ def test_interleaving_is_a_lossless_permutation(qtype: int, n: int) -> None:
     assert rows.shape == (
         -(-n // 16),
         k // per,
-        {2: 288, 3: 320, 8: 544, 12: 2368, 14: 3360}[qtype],
+        {2: 288, 3: 320, 8: 544, 12: 2368, 13: 2880, 14: 3360}[qtype],
     )
     assert torch.equal(deinterleave(rows, qtype, n, k), q)
     ids = torch.tensor([n - 1, 0, n // 2, 0])
@@ -73,7 +73,7 @@ def test_interleaving_is_a_lossless_permutation(qtype: int, n: int) -> None:
 
 
 def test_which_formats_interleave() -> None:
-    assert [t for t in (2, 3, 6, 7, 8, 12, 14) if interleavable(t)] == TYPES
+    assert [t for t in (2, 3, 6, 7, 8, 10, 11, 12, 13, 14) if interleavable(t)] == TYPES
     with pytest.raises(ValueError, match="no interleaved layout for GGML type 6"):
         interleave(torch.zeros(16, 22, dtype=torch.uint8), 6, 16, 32)
     with pytest.raises(ValueError, match=r"qweight must be uint8 \(16, 18\)"):
@@ -135,7 +135,7 @@ def test_kernel_refuses_bad_input_by_name() -> None:
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="interleaved weight must be contiguous uint8"):
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 2, 48)
-    with pytest.raises(RuntimeError, match="supports Q4_0, Q4_1, Q8_0, Q4_K and Q6_K"):
+    with pytest.raises(RuntimeError, match="supports Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K"):
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 6, 32)
     with pytest.raises(RuntimeError, match="multiple of 256 for type 12"):
         torch.ops.kvserve.interleaved_matmul_bf16(x, rows, 12, 32)

@@ -1,5 +1,5 @@
-"""A Q4_K_M-style GGUF (written here: random Q4_K / Q6_K blocks, Q6_K on attn_v and ffn_down of
-one layer as llama.cpp's Q4_K_M mix does) on the fused step: q/k/v of mixed types cannot be one
+"""Q4_K_M- and Q5_K_M-style GGUFs (written here: random Q4_K or Q5_K blocks, Q6_K on attn_v and
+ffn_down of one layer as llama.cpp's _M mixes do) on the fused step: q/k/v of mixed types cannot be one
 fused weight, so decode_layers takes them as separate slots. The fused step must give the
 reference path's greedy tokens (float32), and batch-invariant mode must take the file (its
 K-quants interleaved) and give the same bits whole or chunked."""
@@ -36,29 +36,33 @@ SHAPE = {
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def _q4_k_m_gguf(tmp_path: Path) -> Path:
-    """Layer 0: Q4_K with Q6_K attn_v and ffn_down (q/k/v unfused); layer 1: all Q4_K (fused
-    q/k/v and gate/up)."""
+BASES = [QT.Q4_K, QT.Q5_K]  # the _M mixes' main type: Q4_K_M, Q5_K_M
+
+
+def _k_m_gguf(tmp_path: Path, base: QT) -> Path:
+    """Layer 0: ``base`` with Q6_K attn_v and ffn_down (q/k/v unfused); layer 1: all ``base``
+    (fused q/k/v and gate/up)."""
     model = make_hf_model("llama", **SHAPE)
     tensors: dict = dict(gguf_float_tensors(model))
     for i in range(SHAPE["num_hidden_layers"]):
         for j, part in enumerate(LINEARS):
             name = f"blk.{i}.{part}.weight"
             n, k = tensors[name].shape
-            qt = QT.Q6_K if i == 0 and part in ("attn_v", "ffn_down") else QT.Q4_K
+            qt = QT.Q6_K if i == 0 and part in ("attn_v", "ffn_down") else base
             blocks = random_blocks(qt, n, k, seed=10 * i + j).numpy()
             tensors[name] = (np.ascontiguousarray(blocks), GT(int(qt)))
-    return write_gguf(tmp_path / "q4_k_m.gguf", model.config, tensors)
+    return write_gguf(tmp_path / f"{base.name.lower()}_m.gguf", model.config, tensors)
 
 
 def _types(model) -> list[tuple[str, int]]:
     return [(n, m.qtype) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
 
 
-def test_a_q4_k_m_file_decodes_fused_with_the_reference_tokens(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("base", BASES, ids=lambda t: t.name)
+def test_a_k_m_file_decodes_fused_with_the_reference_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, base: QT
 ) -> None:
-    path = _q4_k_m_gguf(tmp_path)
+    path = _k_m_gguf(tmp_path, base)
     prompts = [random_token_ids(n, seed=n) for n in (5, 11)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     session = ModelSession.open(path, "float32", "cpu")
@@ -67,10 +71,9 @@ def test_a_q4_k_m_file_decodes_fused_with_the_reference_tokens(
     fused = llm.engine.fused_decode
     assert fused is not None, "a mixed-type layer must not push the model off the fused step"
     layer0 = fused.qtypes[:7]
-    assert layer0 == [int(QT.Q4_K), int(QT.Q4_K), int(QT.Q6_K), int(QT.Q4_K), int(QT.Q4_K),
-                      -1, int(QT.Q6_K)]  # fmt: skip
-    assert fused.qtypes[7:] == [int(QT.Q4_K), -1, -1, int(QT.Q4_K), int(QT.Q4_K), -1,
-                                int(QT.Q4_K)]  # fmt: skip
+    b, q6 = int(base), int(QT.Q6_K)
+    assert layer0 == [b, b, q6, b, b, -1, q6]
+    assert fused.qtypes[7:] == [b, -1, -1, b, b, -1, b]
     got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     monkeypatch.setenv("KVSERVE_KERNELS", "0")  # the reference: PyTorch dequantize + matmul
     ref = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, enforce_eager=True)
@@ -83,8 +86,9 @@ def test_a_q4_k_m_file_decodes_fused_with_the_reference_tokens(
     not (load_kernels() and torch.ops.kvserve.cpu_has_avx512_bf16()),
     reason="batch-invariant mode needs AVX-512-BF16",
 )
-def test_batch_invariant_mode_takes_a_q4_k_m_file(tmp_path: Path) -> None:
-    path = _q4_k_m_gguf(tmp_path)
+@pytest.mark.parametrize("base", BASES, ids=lambda t: t.name)
+def test_batch_invariant_mode_takes_a_k_m_file(tmp_path: Path, base: QT) -> None:
+    path = _k_m_gguf(tmp_path, base)
     prompt = random_token_ids(40, seed=3)
     params = SamplingParams(
         max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=1
@@ -111,10 +115,11 @@ def test_batch_invariant_mode_takes_a_q4_k_m_file(tmp_path: Path) -> None:
     ),
     reason="the default path interleaves on AVX-512-BF16 CPUs without AMX",
 )
-def test_the_default_bfloat16_path_decodes_a_q4_k_m_file_interleaved(tmp_path: Path) -> None:
+@pytest.mark.parametrize("base", BASES, ids=lambda t: t.name)
+def test_the_default_bfloat16_path_decodes_a_k_m_file_interleaved(tmp_path: Path, base: QT) -> None:
     """bfloat16 at defaults: every K-quant weight interleaved at load, decode through the
     interleaved kernel inside the fused step, the float32 reference path's greedy tokens."""
-    path = _q4_k_m_gguf(tmp_path)
+    path = _k_m_gguf(tmp_path, base)
     prompt = random_token_ids(24, seed=4)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=64)

@@ -42,6 +42,7 @@ FP16_FIELDS = {
     QT.Q5_1: (0, 2),
     QT.Q8_0: (0,),
     QT.Q4_K: (0, 2),
+    QT.Q5_K: (0, 2),
     QT.Q6_K: (208,),
 }
 ISAS = (0, 1, 2)  # scalar, avx2+fma, avx512

@@ -1,21 +1,24 @@
-"""Q4_K and Q6_K weights interleaved into groups of 16 rows (``interleaved_weights`` has the
+"""Q4_K, Q5_K and Q6_K weights interleaved into groups of 16 rows (``interleaved_weights`` has the
 32-value formats and the API; ``kernels/csrc/interleaved_tiles.h`` the kernel side).
 
 One (group, super-block of 256 values) holds 16 weight rows side by side, each field of the
 GGUF block spread over the rows so that one byte load feeds 16 float32 lanes:
 
     Q4_K  d[16] fp16 | dmin[16] fp16 | sc[8][16] u8 | mn[8][16] u8 | 8 x 256 code bytes  2368
+    Q5_K  as Q4_K, each sub-block's 256 code bytes followed by 64 high-bit bytes          2880
     Q6_K  d[16] fp16 | sc[16][16] i8 | 16 x (128 low-nibble bytes | 64 high-bit bytes)   3360
 
-The kernel's chain block is a sub-block (Q4_K: 32 values with a 6-bit scale and min, Q6_K: 16
-values with an int8 scale). Q4_K code bytes are Q4_0's chunks (chunk c of sub-block s, byte
-2i + j: row i's q[32s + 4c + j] | q[32s + 4c + 2 + j] << 4); Q6_K's low nibbles the same over
-its 16 values, and high-bit vector p, byte 2i + j: row i's h[8p + j] | h[8p + 2 + j] << 2 |
+The kernel's chain block is a sub-block (Q4_K, Q5_K: 32 values with a 6-bit scale and min,
+Q6_K: 16 values with an int8 scale). Q4_K code bytes are Q4_0's chunks (chunk c of sub-block s,
+byte 2i + j: row i's q[32s + 4c + j] | q[32s + 4c + 2 + j] << 4); Q5_K's low nibbles the same,
+and high-bit vector p (values 16p ..), byte 2i + j: bit t of row i's h[16p + 2t + j] (h: the
+code's bit 4; bits 2c', 2c' + 1 serve chunk 4p + c'); Q6_K's low nibbles the same over its 16
+values, and high-bit vector p, byte 2i + j: row i's h[8p + j] | h[8p + 2 + j] << 2 |
 h[8p + 4 + j] << 4 | h[8p + 6 + j] << 6 (h: the code's bits 4-5).
 
 Q6_K keeps GGUF's 210 bytes per row and super-block; Q4_K's 6-bit scales and mins, packed in
-12 bytes per row in GGUF, take a byte each here: 148 bytes instead of 144 (+2.8%), so that a
-sub-block's 16 scales are one byte load. Both re-encodings are bijective: ``deinterleave``
+12 bytes per row in GGUF, take a byte each here: 148 bytes instead of 144 (+2.8%; Q5_K: 180
+instead of 176, +2.3%), so that a sub-block's 16 scales are one byte load. Both re-encodings are bijective: ``deinterleave``
 gives back the GGUF bytes exactly.
 """
 
@@ -27,20 +30,24 @@ from kvserve.kernels.quant_ref import QT, _q4_k_scale_min
 
 GROUP_ROWS = 16
 SUPER = 256  # values per super-block
-KQUANT_BLOCK_BYTES = {QT.Q4_K: 2368, QT.Q6_K: 3360}
+KQUANT_BLOCK_BYTES = {QT.Q4_K: 2368, QT.Q5_K: 2880, QT.Q6_K: 3360}
 # bytes of one row's share of a (group, super-block), in the row's own order (_row_offsets)
-_ROW_BYTES = {QT.Q4_K: 148, QT.Q6_K: 210}
+_ROW_BYTES = {QT.Q4_K: 148, QT.Q5_K: 180, QT.Q6_K: 210}
+_MIN_TYPES = (QT.Q4_K, QT.Q5_K)  # a 6-bit scale and min per 32-value sub-block
 
 
 def _row_offsets(qt: QT) -> tuple[torch.Tensor, torch.Tensor]:
     """(base, stride): row i's bytes of a (group, super-block) are at base + stride * i, in the
-    row's order: Q4_K d(2) dmin(2) sc(8) mn(8) codes(8 sub-blocks x 8 chunks x 2); Q6_K d(2)
-    sc(16) then per sub-block low nibbles (4 chunks x 2) and high bits (2 vectors x 2)."""
+    row's order: Q4_K d(2) dmin(2) sc(8) mn(8) codes(8 sub-blocks x 8 chunks x 2); Q5_K the
+    same, each sub-block's codes followed by its high bits (2 vectors x 2); Q6_K d(2) sc(16)
+    then per sub-block low nibbles (4 chunks x 2) and high bits (2 vectors x 2)."""
     pair = torch.arange(2)
     parts: list[tuple[torch.Tensor, int]] = [(pair, 2)]  # d
-    if qt == QT.Q4_K:
+    if qt in _MIN_TYPES:
         parts += [(32 + pair, 2), (64 + 16 * torch.arange(8), 1), (192 + 16 * torch.arange(8), 1)]
-        chunk = 320 + 256 * torch.arange(8)[:, None] + 32 * torch.arange(8)[None, :]
+        sub = 320 + (256 if qt == QT.Q4_K else 320) * torch.arange(8)[:, None]
+        vectors = 8 if qt == QT.Q4_K else 10  # 8 code chunks (then 2 high-bit vectors)
+        chunk = sub + 32 * torch.arange(vectors)[None, :]
         parts.append(((chunk[..., None] + pair).reshape(-1), 2))
     else:
         parts.append((32 + 16 * torch.arange(16), 1))
@@ -82,6 +89,31 @@ def _q6_k_pack(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql.reshape(*lead, 128), qh.reshape(*lead, 64)], dim=-1)
 
 
+def _k_min_codes(b: torch.Tensor, qt: QT) -> torch.Tensor:
+    """(..., 144 | 176) GGUF Q4_K / Q5_K blocks -> (..., 256) codes (0..15 | 0..31) in value
+    order: value 32s + l is nibble s % 2 of qs[32 (s // 2) + l] (Q5_K: | bit s of qh[l] << 4)."""
+    lead = b.shape[:-1]
+    at = 16 if qt == QT.Q4_K else 48
+    qs = b[..., at:].reshape(*lead, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(*lead, 8, 32)
+    if qt == QT.Q5_K:
+        shifts = torch.arange(8, dtype=torch.uint8)[:, None]
+        q = q | (((b[..., 16:48].reshape(*lead, 1, 32) >> shifts) & 1) << 4)
+    return q.reshape(*lead, 256)
+
+
+def _k_min_pack(q: torch.Tensor, qt: QT) -> torch.Tensor:
+    """Inverse of _k_min_codes for the bytes after the scales: Q4_K qs (128), Q5_K qh | qs."""
+    lead = q.shape[:-1]
+    lo = (q & 0x0F).reshape(*lead, 4, 2, 32)  # (chunk, low / high nibble, l)
+    qs = (lo[..., 0, :] | (lo[..., 1, :] << 4)).reshape(*lead, 128)
+    if qt == QT.Q4_K:
+        return qs
+    h = (q >> 4).reshape(*lead, 8, 32)  # (sub-block s = bit, l)
+    qh = (h << torch.arange(8, dtype=torch.uint8)[:, None]).sum(-2, dtype=torch.uint8)
+    return torch.cat([qh, qs], dim=-1)
+
+
 def _nibble_chunks(q: torch.Tensor) -> torch.Tensor:
     """(..., V) 4-bit codes (V a multiple of 4) -> (..., V / 2) bytes in chunk order: byte
     2c + j = q[4c + j] | q[4c + 2 + j] << 4 (one row's share of the Q4 chunks)."""
@@ -98,12 +130,16 @@ def _unnibble_chunks(b: torch.Tensor) -> torch.Tensor:
 def _rows_from_gguf(blocks: torch.Tensor, qt: QT) -> torch.Tensor:
     """(..., GGUF block bytes) -> (..., _ROW_BYTES) in _row_offsets' order."""
     lead = blocks.shape[:-1]
-    if qt == QT.Q4_K:
+    if qt in _MIN_TYPES:
         sc, mn = _q4_k_scale_min(blocks[..., 4:16].reshape(-1, 12))
-        qs = blocks[..., 16:].reshape(*lead, 4, 1, 32)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(*lead, 256)  # value order
+        q = _k_min_codes(blocks, qt)  # (.., 256) value order
+        body = _nibble_chunks(q & 0x0F)
+        if qt == QT.Q5_K:  # per sub-block: 16 code bytes, then 4 high-bit bytes (p, j)
+            h = (q >> 4).reshape(*lead, 8, 2, 8, 2)  # (sub, p, t, j): value 16p + 2t + j
+            bits = (h << torch.arange(8, dtype=torch.uint8)[:, None]).sum(-2, dtype=torch.uint8)
+            body = torch.cat([body.reshape(*lead, 8, 16), bits.reshape(*lead, 8, 4)], dim=-1)
         return torch.cat(
-            [blocks[..., :4], sc.reshape(*lead, 8), mn.reshape(*lead, 8), _nibble_chunks(q)],
+            [blocks[..., :4], sc.reshape(*lead, 8), mn.reshape(*lead, 8), body.reshape(*lead, -1)],
             dim=-1,
         )
     q = _q6_k_codes(blocks).reshape(*lead, 16, 16)  # (sub-block, value)
@@ -117,11 +153,15 @@ def _rows_from_gguf(blocks: torch.Tensor, qt: QT) -> torch.Tensor:
 def _gguf_from_rows(r: torch.Tensor, qt: QT) -> torch.Tensor:
     """Inverse of _rows_from_gguf."""
     lead = r.shape[:-1]
-    if qt == QT.Q4_K:
-        q = _unnibble_chunks(r[..., 20:]).reshape(*lead, 4, 2, 32)  # (j, low / high, l)
-        qs = q[..., 0, :] | (q[..., 1, :] << 4)
+    if qt in _MIN_TYPES:
         scales = _pack_q4_k_scales(r[..., 4:12], r[..., 12:20])
-        return torch.cat([r[..., :4], scales, qs.reshape(*lead, 128)], dim=-1)
+        body = r[..., 20:].reshape(*lead, 8, -1)  # (sub-block, 16 code bytes [| 4 high])
+        q = _unnibble_chunks(body[..., :16]).reshape(*lead, 256)  # low nibbles, value order
+        if qt == QT.Q5_K:
+            hb = body[..., 16:].reshape(*lead, 8, 2, 1, 2)  # (sub, p, 1, j)
+            shifts = torch.arange(8, dtype=torch.uint8)[:, None]
+            q = q | ((((hb >> shifts) & 1) << 4).reshape(*lead, 256))  # (sub, p, t, j)
+        return torch.cat([r[..., :4], scales, _k_min_pack(q, qt)], dim=-1)
     body = r[..., 18:].reshape(*lead, 16, 12)
     lo = _unnibble_chunks(body[..., :8])  # (.., 16, 16) low nibbles
     hi = body[..., 8:].reshape(*lead, 16, 2, 1, 2)
@@ -165,17 +205,17 @@ def deinterleave_kquant_rows(rows: torch.Tensor, qt: QT, ids: torch.Tensor, k: i
 def kquant_chain_blocks(
     qweight: torch.Tensor, qt: QT, n: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """GGUF rows -> the kernel's chain blocks in float64: codes (n, nb, V) (Q4_K q, Q6_K q - 32),
+    """GGUF rows -> the kernel's chain blocks in float64: codes (n, nb, V) (Q4_K, Q5_K q; Q6_K
+    q - 32),
     scales (n, nb) (d x sc) and mins (n, nb) (-(dmin x mn); None for Q6_K)."""
     blocks = qweight.reshape(n, k // SUPER, -1)
-    at = 0 if qt == QT.Q4_K else 208
+    at = 208 if qt == QT.Q6_K else 0
     d = blocks[..., at : at + 2].contiguous().view(torch.float16).double()  # (n, nsb, 1)
-    if qt == QT.Q4_K:
+    if qt in _MIN_TYPES:
         sc, mn = _q4_k_scale_min(blocks[..., 4:16].reshape(-1, 12))
         sc, mn = sc.reshape(n, -1, 8).double(), mn.reshape(n, -1, 8).double()
         dmin = blocks[..., 2:4].contiguous().view(torch.float16).double()
-        qs = blocks[..., 16:].reshape(n, -1, 4, 1, 32)
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-2).reshape(n, -1, 32).double()
+        q = _k_min_codes(blocks, qt).reshape(n, -1, 32).double()
         return q, (d * sc).reshape(n, -1), (-(dmin * mn)).reshape(n, -1)
     q = _q6_k_codes(blocks).double() - 32.0
     sc = blocks[..., 192:208].contiguous().view(torch.int8).double()  # (n, nsb, 16)

@@ -5,7 +5,7 @@ bfloat16 activations by a weight whose 16 rows of a group lie side by side, one 
 float32 lane, so one expanded chunk of codes feeds every activation row of a tile and each
 output element is summed in one order at every row count (ARCHITECTURE.md "Bitwise
 invariance"). Interleaving is a permutation of the GGUF bytes (the same bytes per value: scales
-stay fp16, codes stay 4 or 8 bits); ``deinterleave`` inverts it exactly. Q4_K and Q6_K
+stay fp16, codes stay 4 or 8 bits); ``deinterleave`` inverts it exactly. Q4_K, Q5_K and Q6_K
 (``interleaved_kquants``) are interleaved per super-block of 256 values; Q4_K's packed 6-bit
 scales take a byte each there (+2.8%).
 

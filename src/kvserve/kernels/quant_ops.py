@@ -12,8 +12,8 @@
 - ``bf16 kernel, fixed order`` (``fixed_order``: batch-invariant mode, a bfloat16 model on a
   CPU with AVX-512-BF16): the bf16 kernel at every row count, each output summed in one order whatever
   the row count, so a request's numbers do not depend on its batch (ARCHITECTURE.md);
-- ``bf16 kernel, interleaved`` (``interleaved``: a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K weight of
-  a bfloat16 model on a CPU with AVX-512-BF16 and no AMX, held in the layout of
+- ``bf16 kernel, interleaved`` (``interleaved``: a Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weight
+  of a bfloat16 model on a CPU with AVX-512-BF16 and no AMX, held in the layout of
   ``kernels/interleaved_weights.py``): the weight's 16-row groups times bfloat16 activations,
   scales applied per block, one order at every row count; up to ``interleaved_max_rows`` rows
   (a decode, a small batch), or every row count with ``fixed_order`` (batch-invariant mode);

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-SUPPORTED_QTYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q6_K)
+SUPPORTED_QTYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 QUANTIZABLE_QTYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)  # gguf-py can quantize these
 
 
@@ -85,6 +85,17 @@ def _dequantize_blocks(b: torch.Tensor, qt: QT) -> torch.Tensor:
         # qs (nb, 4 chunks, 32): low nibbles = sub-block 2c, high = 2c + 1
         qs = b[:, 16:].reshape(nb, 4, 1, 32)
         q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32).float()
+        return (d * q - dm).reshape(nb, 256)
+    if qt == QT.Q5_K:  # Q4_K's scales, then qh (32) | qs (128)
+        sc, mn = _q4_k_scale_min(b[:, 4:16])
+        d = (_half(b[:, 0:2]) * sc.float()).unsqueeze(-1)  # (nb, 8, 1)
+        dm = (_half(b[:, 2:4]) * mn.float()).unsqueeze(-1)
+        qs = b[:, 48:].reshape(nb, 4, 1, 32)
+        ql = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32)
+        # value l of sub-block s: bit s of qh[l]
+        shifts = torch.arange(8, dtype=torch.uint8, device=b.device).reshape(1, 8, 1)
+        qh = (b[:, 16:48].reshape(nb, 1, 32) >> shifts) & 1
+        q = (ql | (qh << 4)).float()
         return (d * q - dm).reshape(nb, 256)
     if qt == QT.Q6_K:
         scales = b[:, 192:208].contiguous().view(torch.int8).float()

@@ -1,8 +1,8 @@
 """Interleaved weights in a loaded model, and batch-invariant mode's one summation order.
 
 ``interleave_weights`` (the default path of a bfloat16 model on a CPU with AVX-512-BF16 and no
-AMX) holds every weight of a format with an interleaved layout (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)
-in 16-row groups (``kernels/interleaved_weights.py``): decodes and small batches multiply
+AMX) holds every weight of a format with an interleaved layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+Q6_K) in 16-row groups (``kernels/interleaved_weights.py``): decodes and small batches multiply
 through ``kvserve::interleaved_matmul_bf16``, prefill chunks above the weight's measured row
 threshold through oneDNN on its dequantized bf16 weight.
 

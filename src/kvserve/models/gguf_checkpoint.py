@@ -47,6 +47,7 @@ KEEP_QUANTIZED = (
     GGMLQuantizationType.Q4_0,
     GGMLQuantizationType.Q4_1,
     GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 )
 

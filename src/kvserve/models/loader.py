@@ -102,7 +102,7 @@ def load_model(
 ) -> LoadedModel:
     """Load a HF directory or a GGUF file (``None``: the embedded default model).
 
-    GGUF weights in Q8_0/Q4_0/Q4_1/Q4_K/Q6_K stay quantized on CPU; ``quantization``
+    GGUF weights in Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K stay quantized on CPU; ``quantization``
     ("q8_0" | "q4_0") quantizes a checkpoint's float weights at load. ``pack_weights``: on CPU,
     pre-pack dense linear weights for oneDNN where the CPU runs it (weight_formats.py).
     ``thresholds``: where the quantized matmuls' measured row thresholds are looked up and

@@ -3,7 +3,7 @@
 After the checkpoint's tensors are checked and loaded (loader.py), every ``nn.Linear`` (and a
 quantized token embedding) is replaced by the layer that fits the weight and the machine:
 
-    GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q6_K weight  -> QuantizedLinear (stays in its block format)
+    GGUF Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K    -> QuantizedLinear (stays in its block format)
     --quantization q8_0|q4_0 (HF weights)  -> quantized at load, then QuantizedLinear
     float32, CPU                           -> PackedLinear (oneDNN pre-packed)
     bfloat16, CPU with oneDNN bf16 support -> PackedLinear
@@ -121,8 +121,8 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _interleaves(features: CpuFeatures, dtype: torch.dtype) -> bool:
-    """Whether interleavable weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) take the interleaved layout
-    at load: a bfloat16 model on a CPU with AVX-512-BF16 and no AMX. Decode runs through the
+    """Whether interleavable weights (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) take the interleaved
+    layout at load: a bfloat16 model on a CPU with AVX-512-BF16 and no AMX. Decode runs through the
     interleaved kernel there (a 1.1B Q4_0 / Q4_K_M file decoded 2.6x / 4x faster than through
     the measured GGUF-row paths, Zen 5, benchmarks/decode.py), prefill chunks through oneDNN
     on the dequantized weight as before. AMX CPUs keep their measured paths (AMX tiles for

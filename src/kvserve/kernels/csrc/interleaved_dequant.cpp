@@ -1,8 +1,8 @@
 // kvserve::interleaved_dequantize_bf16: an interleaved weight (kernels/interleaved_weights.py)
 // back to dense bfloat16 (N, K), equal bit for bit to kvserve::dequantize_bf16 of the GGUF
-// rows it was made from. The default path holds Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights interleaved
-// (decode through the interleaved kernel); a prefill chunk above its row threshold takes this
-// weight into oneDNN's GEMM, as GGUF rows take dequantize_bf16.
+// rows it was made from. The default path holds Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights
+// interleaved (decode through the interleaved kernel); a prefill chunk above its row threshold
+// takes this weight into oneDNN's GEMM, as GGUF rows take dequantize_bf16.
 //
 // Per (group of 16 rows, 32 values): the format's code pair vectors (lanes = rows, as the
 // matmul kernel expands them), widened to float32 (a bfloat16 pair word's halves, exact),
@@ -101,6 +101,7 @@ at::Tensor interleaved_dequantize_bf16_cpu(const at::Tensor& w, int64_t qtype,
     case kQ4_1: dequantize<Q4_1Rows16>(wp, N, K, op); break;
     case kQ8_0: dequantize<Q8_0Rows16>(wp, N, K, op); break;
     case kQ4_K: dequantize<Q4_KRows16>(wp, N, K, op); break;
+    case kQ5_K: dequantize<Q5_KRows16>(wp, N, K, op); break;
     case kQ6_K: dequantize<Q6_KRows16>(wp, N, K, op); break;
     default: TORCH_CHECK(false, "kvserve: no interleaved layout for GGML type ", qtype);
   }

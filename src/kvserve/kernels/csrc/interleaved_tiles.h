@@ -166,11 +166,18 @@ struct Q8_0Rows16 {
 // Q4_K: a (group, super-block of 256 values) is d[16] fp16 | dmin[16] fp16 | sc[8][16] u8 |
 // mn[8][16] u8 | 8 sub-blocks of 8 chunks. Chain block = sub-block s (32 values): its scale
 // d * sc[s] and min factor -(dmin * mn[s]), each exact in float32 (11 x 6 bits).
-struct Q4_KRows16 {
-  static constexpr int64_t kValues = 32, kSuper = 2368, kHead = 320, kCodeStride = 256;
+// Q5_K (kFifth): the same, each sub-block's 8 chunks followed by 2 x 32 bytes of fifth bits
+// (vector p, byte 2i + j, bit t: row i's h[16p + 2t + j]: chunk 4p + c' takes bits 2c' (its
+// low nibbles' values) and 2c' + 1 (its high ones')); codes 0..31 from a 32-entry table.
+template <bool kFifth>
+struct KMinRows16 {
+  static constexpr int64_t kValues = 32, kSuper = kFifth ? 2880 : 2368, kHead = 320;
+  static constexpr int64_t kCodeStride = kFifth ? 320 : 256;
   static constexpr bool kHasMin = true;
-  using Table = __m512i;
-  static inline Table table() { return code_table(0); }
+  struct Table {
+    __m512i codes, nibble;
+  };
+  static inline Table table() { return {code_table(0, kFifth ? 32 : 16), _mm512_set1_epi16(0x0F)}; }
   static inline int64_t group_bytes(int64_t K) { return K / 256 * kSuper; }
   static inline const uint8_t* codes(const uint8_t* wg, int64_t b) {
     return wg + (b >> 3) * kSuper + kHead + (b & 7) * kCodeStride;
@@ -188,16 +195,65 @@ struct Q4_KRows16 {
         _mm512_castps_si512(_mm512_mul_ps(half16(h + 32), bytes16(h + 192 + 16 * s))),
         _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   }
+  // Q5_K chunk c's two code pair vectors: index bits 0-3 from the nibble, bit 4 from the
+  // fifth-bit vector shifted into place (vpermw reads an index's low 5 bits only)
+  __attribute__((always_inline)) static inline void chunk5(const uint8_t* codes, int c, const Table& t, __m512bh& lo,
+                            __m512bh& hi) {
+    const __m512i w = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
+    const __m512i hb = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 32 * (c >> 2))));
+    const int b = 2 * (c & 3);  // the low nibbles' bit; b + 1 the high ones'
+    const __m512i hl = b == 0 ? _mm512_slli_epi16(hb, 4)
+                       : b == 2 ? _mm512_slli_epi16(hb, 2)
+                       : b == 4 ? hb
+                                : _mm512_srli_epi16(hb, 2);
+    const __m512i hh = b == 0 ? _mm512_slli_epi16(hb, 3)
+                       : b == 2 ? _mm512_slli_epi16(hb, 1)
+                       : b == 4 ? _mm512_srli_epi16(hb, 1)
+                                : _mm512_srli_epi16(hb, 3);
+    const __m512i il = _mm512_ternarylogic_epi32(w, hl, t.nibble, 0xE4);  // c ? a : b
+    const __m512i ih = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), hh, t.nibble, 0xE4);
+    lo = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(il, t.codes));
+    hi = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(ih, t.codes));
+  }
   template <int MR, int BF, int NG>
   static inline void products(const uint8_t* codes, int64_t fstride, int64_t gstride,
                               const Table& table, const uint16_t* x, int64_t ldx,
                               __m512 (&s)[NG][BF][MR]) {
-    q4_products<MR, BF, NG>(codes, fstride, gstride, table, x, ldx, s);
+    if constexpr (!kFifth) {
+      q4_products<MR, BF, NG>(codes, fstride, gstride, table.codes, x, ldx, s);
+    } else {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c)
+#pragma GCC unroll 4
+        for (int f = 0; f < BF; ++f) {
+          __m512bh lo[NG], hi[NG];
+#pragma GCC unroll 4
+          for (int g = 0; g < NG; ++g)
+            chunk5(codes + g * gstride + f * fstride, c, table, lo[g], hi[g]);
+          const uint16_t* xf = x + 32 * f + 4 * c;
+          mac<MR, BF, NG>(s, f, lo, xf, ldx);
+          mac<MR, BF, NG>(s, f, hi, xf + 2, ldx);
+        }
+    }
   }
   static inline void pairs(const uint8_t* codes, const Table& table, __m512i (&pr)[16]) {
-    q4_pairs(codes, table, pr);
+    if constexpr (!kFifth) {
+      q4_pairs(codes, table.codes, pr);
+    } else {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        __m512bh lo, hi;
+        chunk5(codes, c, table, lo, hi);
+        pr[2 * c] = reinterpret_cast<__m512i>(lo);
+        pr[2 * c + 1] = reinterpret_cast<__m512i>(hi);
+      }
+    }
   }
 };
+using Q4_KRows16 = KMinRows16<false>;
+using Q5_KRows16 = KMinRows16<true>;
 
 // Q6_K: a (group, super-block) is d[16] fp16 | sc[16][16] int8 | 16 sub-blocks of 16 values,
 // each 4 chunks of low nibbles (as Q4's) then 2 x 32 bytes of high bits (vector p, byte
@@ -223,12 +279,12 @@ struct Q6_KRows16 {
                                      reinterpret_cast<const __m128i*>(h + 32 + 16 * (b & 15))))));
   }
   // 6-bit index: low 4 bits from w, bits 4-5 from hb (higher bits are ignored by vpermt2w)
-  static inline __m512bh lookup(const Table& t, __m512i w, __m512i hb) {
+  __attribute__((always_inline)) static inline __m512bh lookup(const Table& t, __m512i w, __m512i hb) {
     const __m512i idx = _mm512_ternarylogic_epi32(w, hb, t.nibble, 0xE4);  // c ? a : b
     return reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(t.lo, idx, t.hi));
   }
   // chunk c's two code pair vectors (values 4c, 4c + 1 and 4c + 2, 4c + 3 of the sub-block)
-  static inline void chunk(const uint8_t* codes, int c, const Table& table, __m512bh& lo,
+  __attribute__((always_inline)) static inline void chunk(const uint8_t* codes, int c, const Table& table, __m512bh& lo,
                            __m512bh& hi) {
     const __m512i w = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));

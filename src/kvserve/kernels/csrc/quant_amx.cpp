@@ -140,7 +140,7 @@ void row_to_tiles(const uint8_t* src, int64_t nblocks, uint16_t* dst, int64_t st
 namespace {
 
 using RowToTilesFn = void (*)(const uint8_t*, int64_t, uint16_t*, int64_t);
-// by Format::index (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K); nullptr: via the float32 row
+// by Format::index (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q5_K); nullptr: via the float32 row
 constexpr RowToTilesFn kRowToTiles[kNumFormats] = {
     values16::row_to_tiles<values16::Q4_0Values16>, values16::row_to_tiles<values16::Q4_1Values16>,
     nullptr, nullptr, values16::row_to_tiles<values16::Q8_0Values16>, nullptr, nullptr};

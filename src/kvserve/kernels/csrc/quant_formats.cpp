@@ -98,6 +98,7 @@ const Format* find_format(int64_t qtype) {
   static const Format q8_0{32, 34, false, decode_q8_0, 4};
   static const Format q4_k{256, 144, true, decode_q4_k, 5};
   static const Format q6_k{256, 210, false, decode_q6_k, 6};
+  static const Format q5_k{256, 176, true, decode_q5_k, 7};
   switch (qtype) {
     case kQ4_0: return &q4_0;
     case kQ4_1: return &q4_1;
@@ -105,6 +106,7 @@ const Format* find_format(int64_t qtype) {
     case kQ5_1: return &q5_1;
     case kQ8_0: return &q8_0;
     case kQ4_K: return &q4_k;
+    case kQ5_K: return &q5_k;
     case kQ6_K: return &q6_k;
     default: return nullptr;
   }

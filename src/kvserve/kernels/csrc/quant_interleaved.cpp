@@ -175,20 +175,21 @@ int64_t interleaved_block_bytes(int64_t qtype) {
     case kQ4_1: return 320;
     case kQ8_0: return 544;
     case kQ4_K: return 2368;
+    case kQ5_K: return 2880;
     case kQ6_K: return 3360;
     default: return 0;
   }
 }
 
 int64_t interleaved_block_values(int64_t qtype) {
-  return qtype == kQ4_K || qtype == kQ6_K ? 256 : 32;
+  return qtype == kQ4_K || qtype == kQ5_K || qtype == kQ6_K ? 256 : 32;
 }
 
 void check_interleaved_weight(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K,
                               const char* op) {
   const int64_t bb = interleaved_block_bytes(qtype), bv = interleaved_block_values(qtype);
-  TORCH_CHECK(bb > 0, "kvserve: ", op, " supports Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (GGML types "
-              "2, 3, 8, 12, 14), got type ", qtype);
+  TORCH_CHECK(bb > 0, "kvserve: ", op, " supports Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K (GGML "
+              "types 2, 3, 8, 12, 13, 14), got type ", qtype);
   TORCH_CHECK(K > 0 && K % bv == 0, "kvserve: ", op, " needs K a positive multiple of ", bv,
               " for type ", qtype, ", got ", K);
   TORCH_CHECK(N > 0, "kvserve: out_features must be positive, got ", N);
@@ -208,6 +209,7 @@ bool interleaved_matmul_bf16_raw(const uint16_t* x, int64_t M, int64_t K, const 
     case kQ4_1: matmul<Q4_1Rows16>(x, M, K, w, N, out, out_bf16); return true;
     case kQ8_0: matmul<Q8_0Rows16>(x, M, K, w, N, out, out_bf16); return true;
     case kQ4_K: matmul<Q4_KRows16>(x, M, K, w, N, out, out_bf16); return true;
+    case kQ5_K: matmul<Q5_KRows16>(x, M, K, w, N, out, out_bf16); return true;
     case kQ6_K: matmul<Q6_KRows16>(x, M, K, w, N, out, out_bf16); return true;
     default: return false;
   }

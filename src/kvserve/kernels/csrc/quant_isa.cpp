@@ -270,7 +270,8 @@ void gemv_m(const uint8_t* w, int64_t row_bytes, int nr, const float* x, int64_t
 constexpr GemvMFn kGemvM[kNumFormats] = {gemv_m<Q4_0Values>, gemv_m<Q4_1Values>, nullptr, nullptr,
                                          nullptr, nullptr, nullptr};
 
-// By Format::index (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K); the others take the dot tiles.
+// By Format::index (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, Q5_K); the others take the dot
+// tiles.
 // Q8_0 too: the same scheme for it (pmovsx from memory, no nibbles) measured slower than
 // dequantize-into-L1 + dot tile on the 49152 x 576 lm_head (7.8 vs 5.8 ms, Zen 3).
 constexpr GemvFn kGemv[kNumFormats] = {gemv<Q4_0Values>, gemv<Q4_1Values>, nullptr, nullptr,
@@ -396,7 +397,7 @@ const IsaKernels& isa_kernels(int64_t isa) {
       {dequant_scalar<decode_q4_0, false, 32, 18>, dequant_scalar<decode_q4_1, true, 32, 20>,
        dequant_scalar<decode_q5_0, false, 32, 22>, dequant_scalar<decode_q5_1, true, 32, 24>,
        dequant_scalar<decode_q8_0, false, 32, 34>, dequant_scalar<decode_q4_k, true, 256, 144>,
-       dequant_scalar<decode_q6_k, false, 256, 210>},
+       dequant_scalar<decode_q6_k, false, 256, 210>, dequant_scalar<decode_q5_k, true, 256, 176>},
       1,
       {nullptr, tile_scalar<1>, nullptr, nullptr, nullptr},
       {},
@@ -404,22 +405,22 @@ const IsaKernels& isa_kernels(int64_t isa) {
 #if defined(__x86_64__)
   static const IsaKernels avx2{
       {avx2::kDequant[0], avx2::kDequant[1], avx2::kDequant[2], avx2::kDequant[3],
-       avx2::kDequant[4], avx2::kDequant[5], avx2::kDequant[6]},
+       avx2::kDequant[4], avx2::kDequant[5], avx2::kDequant[6], avx2::kDequant[7]},
       2,
       {nullptr, tile_avx2<1>, tile_avx2<2>, nullptr, nullptr},
       {avx2::kGemv[0], avx2::kGemv[1], avx2::kGemv[2], avx2::kGemv[3], avx2::kGemv[4],
-       avx2::kGemv[5], avx2::kGemv[6]},
+       avx2::kGemv[5], avx2::kGemv[6], avx2::kGemv[7]},
       {avx2::kGemvM[0], avx2::kGemvM[1], avx2::kGemvM[2], avx2::kGemvM[3], avx2::kGemvM[4],
-       avx2::kGemvM[5], avx2::kGemvM[6]}};
+       avx2::kGemvM[5], avx2::kGemvM[6], avx2::kGemvM[7]}};
   static const IsaKernels avx512{
       {avx512::kDequant[0], avx512::kDequant[1], avx512::kDequant[2], avx512::kDequant[3],
-       avx512::kDequant[4], avx512::kDequant[5], avx512::kDequant[6]},
+       avx512::kDequant[4], avx512::kDequant[5], avx512::kDequant[6], avx512::kDequant[7]},
       4,
       {nullptr, tile_avx512<1>, tile_avx512<2>, tile_avx512<3>, tile_avx512<4>},
       {avx512::kGemv[0], avx512::kGemv[1], avx512::kGemv[2], avx512::kGemv[3],
-       avx512::kGemv[4], avx512::kGemv[5], avx512::kGemv[6]},
+       avx512::kGemv[4], avx512::kGemv[5], avx512::kGemv[6], avx512::kGemv[7]},
       {avx512::kGemvM[0], avx512::kGemvM[1], avx512::kGemvM[2], avx512::kGemvM[3],
-       avx512::kGemvM[4], avx512::kGemvM[5], avx512::kGemvM[6]}};
+       avx512::kGemvM[4], avx512::kGemvM[5], avx512::kGemvM[6], avx512::kGemvM[7]}};
   if (isa == kAvx512) return avx512;
   if (isa == kAvx2) return avx2;
 #endif

@@ -30,6 +30,7 @@ enum QType : int64_t {
   kQ5_1 = 7,
   kQ8_0 = 8,
   kQ4_K = 12,
+  kQ5_K = 13,
   kQ6_K = 14,
 };
 
@@ -52,7 +53,7 @@ using DecodeFn = void (*)(const uint8_t* src, int64_t nblocks, int8_t* q, float*
 // Dequantize `nblocks` consecutive blocks at `src` into out[nblocks * block_elems] (float32).
 using DequantFn = void (*)(const uint8_t* src, int64_t nblocks, float* out);
 
-constexpr int kNumFormats = 7;
+constexpr int kNumFormats = 8;
 
 struct Format {
   int64_t block_elems;
@@ -72,6 +73,7 @@ void decode_q5_0(const uint8_t*, int64_t, int8_t*, float*, float*);
 void decode_q5_1(const uint8_t*, int64_t, int8_t*, float*, float*);
 void decode_q8_0(const uint8_t*, int64_t, int8_t*, float*, float*);
 void decode_q4_k(const uint8_t*, int64_t, int8_t*, float*, float*);
+void decode_q5_k(const uint8_t*, int64_t, int8_t*, float*, float*);
 void decode_q6_k(const uint8_t*, int64_t, int8_t*, float*, float*);
 
 // out[m * ldo + r] (=, or += when accumulate) sum_k x[m * ldx + k] * w[r * ldw + k]

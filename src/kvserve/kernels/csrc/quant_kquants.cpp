@@ -1,10 +1,13 @@
-// Decoders of the 256-value "K-quant" super-blocks (Q4_K, Q6_K) into int8 codes plus
+// Decoders of the 256-value "K-quant" super-blocks (Q4_K, Q5_K, Q6_K) into int8 codes plus
 // per-16 scale/bias (see quant_kernels.h); layouts from llama.cpp's ggml-common.h.
 //
 //   block_q4_K (144 B): fp16 d | fp16 dmin | u8 scales[12] | u8 qs[128]
 //     8 sub-blocks of 32 values, each with a 6-bit scale sc_j and 6-bit min m_j packed in
 //     scales[12] (get_scale_min_k4). value = (d * sc_j) * nibble - (dmin * m_j).
 //     qs in 4 chunks of 32 bytes: chunk c's low nibbles are sub-block 2c, high nibbles 2c+1.
+//   block_q5_K (176 B): fp16 d | fp16 dmin | u8 scales[12] | u8 qh[32] | u8 qs[128]
+//     Q4_K's scales and nibbles, plus a fifth bit: value 32s + l of sub-block s has bit s of
+//     qh[l] as its bit 4. value = (d * sc_s) * q5 - (dmin * m_s).
 //   block_q6_K (210 B): u8 ql[128] | u8 qh[64] | i8 scales[16] | fp16 d
 //     value = (d * scales[i / 16]) * (q6 - 32), q6 = 4 low bits from ql, 2 high bits from qh.
 //     Per half h (128 values): ql = ql + 64h, qh = qh + 32h; for l < 32:
@@ -63,6 +66,27 @@ void decode_q4_k(const uint8_t* src, int64_t nblocks, int8_t* q, float* scale, f
         out[l + 32] = static_cast<int8_t>(chunk[l] >> 4);
       }
     }
+  }
+}
+
+void decode_q5_k(const uint8_t* src, int64_t nblocks, int8_t* q, float* scale, float* bias) {
+  for (int64_t b = 0; b < nblocks; ++b, src += 176, q += 256, scale += 16, bias += 16) {
+    const float d = load_half(src);
+    const float dmin = load_half(src + 2);
+    const uint8_t* scales = src + 4;
+    const uint8_t* qh = src + 16;
+    const uint8_t* qs = src + 48;
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(j, scales, &sc, &m);
+      scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(sc);  // as Q4_K
+      bias[2 * j] = bias[2 * j + 1] = -(dmin * static_cast<float>(m));
+    }
+    for (int s = 0; s < 8; ++s)
+      for (int l = 0; l < 32; ++l) {
+        const int nib = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0F;
+        q[32 * s + l] = static_cast<int8_t>(nib | (((qh[l] >> s) & 1) << 4));
+      }
   }
 }
 

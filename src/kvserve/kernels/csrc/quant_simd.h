@@ -103,6 +103,36 @@ void dequant_q4_k(const uint8_t* src, int64_t nblocks, float* out) {
   }
 }
 
+void dequant_q5_k(const uint8_t* src, int64_t nblocks, float* out) {
+  const __m128i one = _mm_set1_epi8(1);
+  for (int64_t b = 0; b < nblocks; ++b, src += 176, out += 256) {
+    const float d = h2f(src), dmin = h2f(src + 2);  // scales and mins as dequant_q4_k
+    const uint8_t* s = src + 4;
+    float scale[8], bias[8];
+    for (int j = 0; j < 8; ++j) {
+      const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+      const int mn = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+      scale[j] = d * static_cast<float>(sc);
+      bias[j] = -(dmin * static_cast<float>(mn));
+    }
+    const uint8_t* qh = src + 16;
+    const uint8_t* qs = src + 48;
+    for (int h = 0; h < 2; ++h) {  // values l = 16h .. 16h + 15 of every sub-block
+      const __m128i bits = load16(qh + 16 * h);  // bit s: sub-block s's fifth bit
+      for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+        __m128i lo, hi;
+        split_nibbles(load16(qs + 32 * c + 16 * h), &lo, &hi);
+        const __m128i b0 = _mm_and_si128(_mm_srli_epi16(bits, 2 * c), one);
+        const __m128i b1 = _mm_and_si128(_mm_srli_epi16(bits, 2 * c + 1), one);
+        lo = _mm_or_si128(lo, _mm_slli_epi16(b0, 4));  // bit 0 -> 4: stays in its byte
+        hi = _mm_or_si128(hi, _mm_slli_epi16(b1, 4));
+        store16b(out + 64 * c + 16 * h, lo, scale[2 * c], bias[2 * c]);
+        store16b(out + 64 * c + 32 + 16 * h, hi, scale[2 * c + 1], bias[2 * c + 1]);
+      }
+    }
+  }
+}
+
 void dequant_q6_k(const uint8_t* src, int64_t nblocks, float* out) {
   const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03), off = _mm_set1_epi8(32);
   for (int64_t b = 0; b < nblocks; ++b, src += 210, out += 256) {
@@ -136,7 +166,8 @@ void dequant_q6_k(const uint8_t* src, int64_t nblocks, float* out) {
   }
 }
 
-// Indexed by Format::index (quant_formats.cpp: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K).
+// Indexed by Format::index (quant_formats.cpp: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K,
+// Q5_K).
 constexpr DequantFn kDequant[kNumFormats] = {dequant_q4_0, dequant_q4_1, dequant_q5_0,
                                              dequant_q5_1, dequant_q8_0, dequant_q4_k,
-                                             dequant_q6_k};
+                                             dequant_q6_k, dequant_q5_k};
