@@ -6,6 +6,7 @@ K-quants interleaved) and give the same bits whole or chunked."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 from conftest import gguf_float_tensors, make_hf_model, random_token_ids, write_gguf
 from gguf import GGMLQuantizationType as GT
 from test_fused_decode import pin_kernel_rows
+from test_gguf_quants import random_blocks as gguf_random_blocks
 from test_quant_kernels import kernels, random_blocks  # noqa: F401 - kernels: the fixture
 
 from kvserve.engine.llm import LLM
@@ -134,3 +136,30 @@ def test_the_default_bfloat16_path_decodes_a_k_m_file_interleaved(tmp_path: Path
     ref = LLM(str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
     (want,) = ref.generate([prompt], params, use_tqdm=False)
     assert got.token_ids == want.token_ids
+
+
+def test_a_file_that_falls_off_the_fused_step_says_why_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q3_K is dequantized at load: a layer holding it cannot run in decode_layers, and the
+    log says so once, naming the layer and the weight, where the CLI shows it."""
+    model = make_hf_model("llama", **SHAPE)
+    tensors: dict = dict(gguf_float_tensors(model))
+    rng = np.random.default_rng(0)
+    for i in range(SHAPE["num_hidden_layers"]):
+        for part in LINEARS:
+            name = f"blk.{i}.{part}.weight"
+            n, k = tensors[name].shape
+            if i == 1 and part == "ffn_down":
+                tensors[name] = (gguf_random_blocks(n, k, GT.Q3_K, rng), GT.Q3_K)
+            else:
+                tensors[name] = (random_blocks(QT.Q4_K, n, k).numpy(), GT.Q4_K)
+    path = write_gguf(tmp_path / "q3_k_mix.gguf", model.config, tensors)
+    with caplog.at_level(logging.WARNING, logger="kvserve.engine.fused_decode"):
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    assert llm.engine.fused_decode is None
+    said = [r.getMessage() for r in caplog.records if "fused decode step off" in r.getMessage()]
+    assert len(said) == 1 and "layer 1 down_proj is held dense" in said[0], said
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([random_token_ids(6, seed=1)], params, use_tqdm=False)
+    assert len(out.token_ids) == 3

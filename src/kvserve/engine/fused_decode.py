@@ -145,7 +145,11 @@ class FusedDecode:
                 raise ValueError(f"batch_invariant is not available here: {why}")
         reason = cls._unsupported(model, storage)
         if reason:
-            logger.debug("fused decode step off: %s", reason)
+            # a model with quantized weights expected the fused step: say why, once, where the
+            # CLI shows it; a float model never takes it, which needs no warning
+            quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+            level = logging.WARNING if quantized else logging.DEBUG
+            logger.log(level, "fused decode step off (decode runs layer by layer): %s", reason)
             return None
         groups = [_slots(layer) for layer in model.model.layers]
         fused = cls(model, groups, every_step=batch_invariant)
@@ -185,8 +189,13 @@ class FusedDecode:
             for name, m in zip(SLOT_NAMES, _slots(layer), strict=True):
                 if m is None:
                     continue
-                if not isinstance(m, QuantizedLinear) or m.bias is not None:
-                    return f"layer {i} {name} is not a quantized linear without bias"
+                if not isinstance(m, QuantizedLinear):
+                    return (
+                        f"layer {i} {name} is held dense (GGUF Q5_0, Q5_1, Q3_K and Q2_K "
+                        "weights are dequantized at load, as are float ones)"
+                    )
+                if m.bias is not None:
+                    return f"layer {i} {name} has a bias"
                 if not m.policy.use_kernels:
                     return f"layer {i} {name} takes the reference path"
         return ""
