@@ -5,21 +5,20 @@ One (group, super-block of 256 values) holds 16 weight rows side by side, each f
 GGUF block spread over the rows so that one byte load feeds 16 float32 lanes:
 
     Q4_K  d[16] fp16 | dmin[16] fp16 | sc[8][16] u8 | mn[8][16] u8 | 8 x 256 code bytes  2368
-    Q5_K  as Q4_K, each sub-block's 256 code bytes followed by 64 high-bit bytes          2880
+    Q5_K  as Q4_K, each sub-block's 256 code bytes followed by 64 bytes of fifth bits     2880
     Q6_K  d[16] fp16 | sc[16][16] i8 | 16 x (128 low-nibble bytes | 64 high-bit bytes)   3360
 
 The kernel's chain block is a sub-block (Q4_K, Q5_K: 32 values with a 6-bit scale and min,
 Q6_K: 16 values with an int8 scale). Q4_K code bytes are Q4_0's chunks (chunk c of sub-block s,
 byte 2i + j: row i's q[32s + 4c + j] | q[32s + 4c + 2 + j] << 4); Q5_K's low nibbles the same,
-and high-bit vector p (values 16p ..), byte 2i + j: bit t of row i's h[16p + 2t + j] (h: the
-code's bit 4; bits 2c', 2c' + 1 serve chunk 4p + c'); Q6_K's low nibbles the same over its 16
-values, and high-bit vector p, byte 2i + j: row i's h[8p + j] | h[8p + 2 + j] << 2 |
-h[8p + 4 + j] << 4 | h[8p + 6 + j] << 6 (h: the code's bits 4-5).
+and per chunk two 32-bit masks of the fifth bits over its words (_q5_to_masks); Q6_K's low
+nibbles the same over its 16 values, and high-bit vector p, byte 2i + j: row i's h[8p + j] |
+h[8p + 2 + j] << 2 | h[8p + 4 + j] << 4 | h[8p + 6 + j] << 6 (h: the code's bits 4-5).
 
 Q6_K keeps GGUF's 210 bytes per row and super-block; Q4_K's 6-bit scales and mins, packed in
 12 bytes per row in GGUF, take a byte each here: 148 bytes instead of 144 (+2.8%; Q5_K: 180
-instead of 176, +2.3%), so that a sub-block's 16 scales are one byte load. Both re-encodings are bijective: ``deinterleave``
-gives back the GGUF bytes exactly.
+instead of 176, +2.3%), so that a sub-block's 16 scales are one byte load. The re-encodings
+are bijective: ``deinterleave`` gives back the GGUF bytes exactly.
 """
 
 from __future__ import annotations
@@ -39,7 +38,8 @@ _MIN_TYPES = (QT.Q4_K, QT.Q5_K)  # a 6-bit scale and min per 32-value sub-block
 def _row_offsets(qt: QT) -> tuple[torch.Tensor, torch.Tensor]:
     """(base, stride): row i's bytes of a (group, super-block) are at base + stride * i, in the
     row's order: Q4_K d(2) dmin(2) sc(8) mn(8) codes(8 sub-blocks x 8 chunks x 2); Q5_K the
-    same, each sub-block's codes followed by its high bits (2 vectors x 2); Q6_K d(2) sc(16)
+    same, each sub-block's codes followed by its fifth bits (2 vectors x 2, row-aligned: the
+    kernel's masks are made from these by _q5_to_masks); Q6_K d(2) sc(16)
     then per sub-block low nibbles (4 chunks x 2) and high bits (2 vectors x 2)."""
     pair = torch.arange(2)
     parts: list[tuple[torch.Tensor, int]] = [(pair, 2)]  # d
@@ -184,7 +184,7 @@ def interleave_kquant(qweight: torch.Tensor, qt: QT, n: int, k: int) -> torch.Te
     out = torch.zeros(g, nsb, KQUANT_BLOCK_BYTES[qt], dtype=torch.uint8)
     src = rows.reshape(g, GROUP_ROWS, nsb, -1).permute(0, 2, 1, 3)  # (g, nsb, 16, L)
     out[:, :, at.reshape(-1)] = src.reshape(g, nsb, -1)
-    return out
+    return _q5_to_masks(out) if qt == QT.Q5_K else out
 
 
 def deinterleave_kquant(rows: torch.Tensor, qt: QT, n: int, k: int) -> torch.Tensor:
@@ -198,8 +198,55 @@ def deinterleave_kquant_rows(rows: torch.Tensor, qt: QT, ids: torch.Tensor, k: i
     base, stride = _row_offsets(qt)
     at = base[None, :] + stride[None, :] * (ids % GROUP_ROWS)[:, None]  # (T, L)
     nsb = k // SUPER
-    got = rows[(ids // GROUP_ROWS)[:, None, None], torch.arange(nsb)[None, :, None], at[:, None]]
+    if qt == QT.Q5_K:  # the groups' fifth bits back in row-aligned bytes first
+        blocks = _q5_from_masks(rows[ids // GROUP_ROWS])  # (T, nsb, 2880)
+        got = blocks[torch.arange(ids.shape[0])[:, None, None], torch.arange(nsb)[None, :, None],
+                     at[:, None]]  # fmt: skip
+    else:
+        got = rows[(ids // GROUP_ROWS)[:, None, None], torch.arange(nsb)[None, :, None],
+                   at[:, None]]  # fmt: skip
     return _gguf_from_rows(got, qt).reshape(ids.shape[0], -1)
+
+
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """(..., n) uint8 -> (..., n, 8) its bits, least significant first."""
+    return (b[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of _bits."""
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+
+
+def _q5_to_masks(x: torch.Tensor) -> torch.Tensor:
+    """(..., 2880) Q5_K (group, super-block)s with row-aligned fifth-bit bytes (_row_offsets'
+    layout: vector p, byte 2i + j, bit t = row i's h[16p + 2t + j]) -> the kernel's: after a
+    sub-block's 8 code chunks, per chunk c two 32-bit masks over its words (bit 2i + j = row
+    i's pair value j): lo = h[4c + j] ^ bit 0 of the high nibble sharing its byte, hi =
+    h[4c + 2 + j]. A masked add of 16 to the chunk's words (lo: which toggles that bit 4; hi:
+    after the shift right by 4) then makes each 5-bit code index: no per-chunk shifting."""
+    lead = x.shape[:-1]
+    sub = x[..., 320:].reshape(*lead, 8, 320)
+    codes = sub[..., :256].reshape(*lead, 8, 8, 32)  # (s, c, word)
+    h = _bits(sub[..., 256:].reshape(*lead, 8, 2, 32))  # (s, p, word, t)
+    h = h.reshape(*lead, 8, 2, 32, 4, 2).movedim(-3, -1).reshape(*lead, 8, 8, 2, 32)
+    lo = h[..., 0, :] ^ ((codes >> 4) & 1)  # (s, c, word)
+    masks = torch.stack([lo, h[..., 1, :]], dim=-2)  # (s, c, lo / hi, word)
+    mbytes = _pack_bits(masks.reshape(*lead, 8, 8, 2, 4, 8)).reshape(*lead, 8, 64)
+    body = torch.cat([codes.reshape(*lead, 8, 256), mbytes], dim=-1)
+    return torch.cat([x[..., :320], body.reshape(*lead, 2560)], dim=-1)
+
+
+def _q5_from_masks(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of _q5_to_masks."""
+    lead = x.shape[:-1]
+    sub = x[..., 320:].reshape(*lead, 8, 320)
+    codes = sub[..., :256].reshape(*lead, 8, 8, 32)
+    m = _bits(sub[..., 256:].reshape(*lead, 8, 8, 2, 4)).reshape(*lead, 8, 8, 2, 32)
+    h = torch.stack([m[..., 0, :] ^ ((codes >> 4) & 1), m[..., 1, :]], dim=-2)
+    h = h.reshape(*lead, 8, 2, 4, 2, 32).movedim(-1, -3).reshape(*lead, 8, 2, 32, 8)
+    body = torch.cat([codes.reshape(*lead, 8, 256), _pack_bits(h).reshape(*lead, 8, 64)], -1)
+    return torch.cat([x[..., :320], body.reshape(*lead, 2560)], dim=-1)
 
 
 def kquant_chain_blocks(

@@ -166,18 +166,19 @@ struct Q8_0Rows16 {
 // Q4_K: a (group, super-block of 256 values) is d[16] fp16 | dmin[16] fp16 | sc[8][16] u8 |
 // mn[8][16] u8 | 8 sub-blocks of 8 chunks. Chain block = sub-block s (32 values): its scale
 // d * sc[s] and min factor -(dmin * mn[s]), each exact in float32 (11 x 6 bits).
-// Q5_K (kFifth): the same, each sub-block's 8 chunks followed by 2 x 32 bytes of fifth bits
-// (vector p, byte 2i + j, bit t: row i's h[16p + 2t + j]: chunk 4p + c' takes bits 2c' (its
-// low nibbles' values) and 2c' + 1 (its high ones')); codes 0..31 from a 32-entry table.
+// Q5_K (kFifth): the same, each sub-block's 8 chunks followed by 8 x 2 masks of 32 bits (chunk
+// c: lo, hi; bit 2i + j = row i's pair value j): hi = the fifth bit of the chunk's high
+// nibbles' values, lo = that of its low nibbles' XOR bit 0 of the high nibble sharing their
+// byte (kernels/interleaved_kquants.py writes them). Codes 0..31 from a 32-entry table.
 template <bool kFifth>
 struct KMinRows16 {
   static constexpr int64_t kValues = 32, kSuper = kFifth ? 2880 : 2368, kHead = 320;
   static constexpr int64_t kCodeStride = kFifth ? 320 : 256;
   static constexpr bool kHasMin = true;
   struct Table {
-    __m512i codes, nibble;
+    __m512i codes, sixteen;
   };
-  static inline Table table() { return {code_table(0, kFifth ? 32 : 16), _mm512_set1_epi16(0x0F)}; }
+  static inline Table table() { return {code_table(0, kFifth ? 32 : 16), _mm512_set1_epi16(16)}; }
   static inline int64_t group_bytes(int64_t K) { return K / 256 * kSuper; }
   static inline const uint8_t* codes(const uint8_t* wg, int64_t b) {
     return wg + (b >> 3) * kSuper + kHead + (b & 7) * kCodeStride;
@@ -195,25 +196,22 @@ struct KMinRows16 {
         _mm512_castps_si512(_mm512_mul_ps(half16(h + 32), bytes16(h + 192 + 16 * s))),
         _mm512_set1_epi32(static_cast<int>(0x80000000u))));
   }
-  // Q5_K chunk c's two code pair vectors: index bits 0-3 from the nibble, bit 4 from the
-  // fifth-bit vector shifted into place (vpermw reads an index's low 5 bits only)
-  __attribute__((always_inline)) static inline void chunk5(const uint8_t* codes, int c, const Table& t, __m512bh& lo,
-                            __m512bh& hi) {
+  // Q5_K chunk c's two code pair vectors. vpermw reads an index's low 5 bits: a word's bits
+  // 0-3 are its low nibble and bit 4 the high nibble's bit 0, which the lo mask's add of 16
+  // turns into the fifth bit (the carry lands in bit 5, ignored); the high nibble shifted
+  // down has a zero bit 4 for the hi mask's add to set.
+  __attribute__((always_inline)) static inline void chunk5(const uint8_t* codes, int c,
+                                                           const Table& t, __m512bh& lo,
+                                                           __m512bh& hi) {
     const __m512i w = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
-    const __m512i hb = _mm512_cvtepu8_epi16(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 256 + 32 * (c >> 2))));
-    const int b = 2 * (c & 3);  // the low nibbles' bit; b + 1 the high ones'
-    const __m512i hl = b == 0 ? _mm512_slli_epi16(hb, 4)
-                       : b == 2 ? _mm512_slli_epi16(hb, 2)
-                       : b == 4 ? hb
-                                : _mm512_srli_epi16(hb, 2);
-    const __m512i hh = b == 0 ? _mm512_slli_epi16(hb, 3)
-                       : b == 2 ? _mm512_slli_epi16(hb, 1)
-                       : b == 4 ? _mm512_srli_epi16(hb, 1)
-                                : _mm512_srli_epi16(hb, 3);
-    const __m512i il = _mm512_ternarylogic_epi32(w, hl, t.nibble, 0xE4);  // c ? a : b
-    const __m512i ih = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), hh, t.nibble, 0xE4);
+    const uint8_t* m = codes + 256 + 8 * c;
+    __mmask32 klo, khi;
+    std::memcpy(&klo, m, sizeof klo);
+    std::memcpy(&khi, m + 4, sizeof khi);
+    const __m512i wh = _mm512_srli_epi16(w, 4);
+    const __m512i il = _mm512_mask_add_epi16(w, klo, w, t.sixteen);
+    const __m512i ih = _mm512_mask_add_epi16(wh, khi, wh, t.sixteen);
     lo = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(il, t.codes));
     hi = reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(ih, t.codes));
   }
