@@ -43,21 +43,25 @@ inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
+// A Q4_K / Q5_K block's scale and bias per group of 16 values (two per 32-value sub-block).
+// gguf-py: d * sc then (d * sc) * q - dmin * m; the bias is the negated product.
+void k_scales_mins16(const uint8_t* src, float* scale, float* bias) {
+  const float d = load_half(src);
+  const float dmin = load_half(src + 2);
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    scale_min_k4(j, src + 4, &sc, &m);
+    scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(sc);
+    bias[2 * j] = bias[2 * j + 1] = -(dmin * static_cast<float>(m));
+  }
+}
+
 }  // namespace
 
 void decode_q4_k(const uint8_t* src, int64_t nblocks, int8_t* q, float* scale, float* bias) {
   for (int64_t b = 0; b < nblocks; ++b, src += 144, q += 256, scale += 16, bias += 16) {
-    const float d = load_half(src);
-    const float dmin = load_half(src + 2);
-    const uint8_t* scales = src + 4;
+    k_scales_mins16(src, scale, bias);
     const uint8_t* qs = src + 16;
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(j, scales, &sc, &m);
-      // gguf-py: d * sc then (d * sc) * q - dmin * m; the bias is the negated product.
-      scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(sc);
-      bias[2 * j] = bias[2 * j + 1] = -(dmin * static_cast<float>(m));
-    }
     for (int c = 0; c < 4; ++c) {
       const uint8_t* chunk = qs + 32 * c;
       int8_t* out = q + 64 * c;
@@ -71,17 +75,9 @@ void decode_q4_k(const uint8_t* src, int64_t nblocks, int8_t* q, float* scale, f
 
 void decode_q5_k(const uint8_t* src, int64_t nblocks, int8_t* q, float* scale, float* bias) {
   for (int64_t b = 0; b < nblocks; ++b, src += 176, q += 256, scale += 16, bias += 16) {
-    const float d = load_half(src);
-    const float dmin = load_half(src + 2);
-    const uint8_t* scales = src + 4;
+    k_scales_mins16(src, scale, bias);
     const uint8_t* qh = src + 16;
     const uint8_t* qs = src + 48;
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(j, scales, &sc, &m);
-      scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(sc);  // as Q4_K
-      bias[2 * j] = bias[2 * j + 1] = -(dmin * static_cast<float>(m));
-    }
     for (int s = 0; s < 8; ++s)
       for (int l = 0; l < 32; ++l) {
         const int nib = (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0F;

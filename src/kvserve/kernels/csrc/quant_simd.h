@@ -79,19 +79,23 @@ void dequant_q8_0(const uint8_t* src, int64_t nblocks, float* out) {
   }
 }
 
+// A Q4_K / Q5_K block's per-sub-block scale d * sc_j and bias -(dmin * m_j), the portable
+// decoder's math (8 pairs per 256 values: scalar is fine).
+inline void k_scales_mins(const uint8_t* src, float* scale, float* bias) {
+  const float d = h2f(src), dmin = h2f(src + 2);
+  const uint8_t* s = src + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+    const int mn = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    scale[j] = d * static_cast<float>(sc);
+    bias[j] = -(dmin * static_cast<float>(mn));
+  }
+}
+
 void dequant_q4_k(const uint8_t* src, int64_t nblocks, float* out) {
   for (int64_t b = 0; b < nblocks; ++b, src += 144, out += 256) {
-    // Per-sub-block scale d * sc_j and bias -(dmin * m_j) from the portable decoder's math
-    // (8 pairs per 256 values: scalar is fine).
-    const float d = h2f(src), dmin = h2f(src + 2);
-    const uint8_t* s = src + 4;
     float scale[8], bias[8];
-    for (int j = 0; j < 8; ++j) {
-      const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
-      const int mn = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-      scale[j] = d * static_cast<float>(sc);
-      bias[j] = -(dmin * static_cast<float>(mn));
-    }
+    k_scales_mins(src, scale, bias);
     const uint8_t* qs = src + 16;
     for (int c = 0; c < 4; ++c)  // 32 bytes -> sub-blocks 2c (low nibbles), 2c+1 (high)
       for (int h = 0; h < 2; ++h) {
@@ -106,15 +110,8 @@ void dequant_q4_k(const uint8_t* src, int64_t nblocks, float* out) {
 void dequant_q5_k(const uint8_t* src, int64_t nblocks, float* out) {
   const __m128i one = _mm_set1_epi8(1);
   for (int64_t b = 0; b < nblocks; ++b, src += 176, out += 256) {
-    const float d = h2f(src), dmin = h2f(src + 2);  // scales and mins as dequant_q4_k
-    const uint8_t* s = src + 4;
     float scale[8], bias[8];
-    for (int j = 0; j < 8; ++j) {
-      const int sc = j < 4 ? (s[j] & 63) : ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
-      const int mn = j < 4 ? (s[j + 4] & 63) : ((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
-      scale[j] = d * static_cast<float>(sc);
-      bias[j] = -(dmin * static_cast<float>(mn));
-    }
+    k_scales_mins(src, scale, bias);
     const uint8_t* qh = src + 16;
     const uint8_t* qs = src + 48;
     for (int h = 0; h < 2; ++h) {  // values l = 16h .. 16h + 15 of every sub-block
