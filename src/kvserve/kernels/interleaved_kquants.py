@@ -39,8 +39,8 @@ def _row_offsets(qt: QT) -> tuple[torch.Tensor, torch.Tensor]:
     """(base, stride): row i's bytes of a (group, super-block) are at base + stride * i, in the
     row's order: Q4_K d(2) dmin(2) sc(8) mn(8) codes(8 sub-blocks x 8 chunks x 2); Q5_K the
     same, each sub-block's codes followed by its fifth bits (2 vectors x 2, row-aligned: the
-    kernel's masks are made from these by _q5_to_masks); Q6_K d(2) sc(16)
-    then per sub-block low nibbles (4 chunks x 2) and high bits (2 vectors x 2)."""
+    kernel's masks are made from these by _q5_to_masks); Q6_K d(2) sc(16) then per sub-block
+    low nibbles (4 chunks x 2) and high bits (2 vectors x 2)."""
     pair = torch.arange(2)
     parts: list[tuple[torch.Tensor, int]] = [(pair, 2)]  # d
     if qt in _MIN_TYPES:
@@ -253,8 +253,7 @@ def kquant_chain_blocks(
     qweight: torch.Tensor, qt: QT, n: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """GGUF rows -> the kernel's chain blocks in float64: codes (n, nb, V) (Q4_K, Q5_K q; Q6_K
-    q - 32),
-    scales (n, nb) (d x sc) and mins (n, nb) (-(dmin x mn); None for Q6_K)."""
+    q - 32), scales (n, nb) (d x sc) and mins (n, nb) (-(dmin x mn); None for Q6_K)."""
     blocks = qweight.reshape(n, k // SUPER, -1)
     at = 208 if qt == QT.Q6_K else 0
     d = blocks[..., at : at + 2].contiguous().view(torch.float16).double()  # (n, nsb, 1)

@@ -178,7 +178,9 @@ struct KMinRows16 {
   struct Table {
     __m512i codes, sixteen;
   };
-  static inline Table table() { return {code_table(0, kFifth ? 32 : 16), _mm512_set1_epi16(16)}; }
+  static inline Table table() {
+    return {code_table(0, kFifth ? 32 : 16), _mm512_set1_epi16(16)};
+  }
   static inline int64_t group_bytes(int64_t K) { return K / 256 * kSuper; }
   static inline const uint8_t* codes(const uint8_t* wg, int64_t b) {
     return wg + (b >> 3) * kSuper + kHead + (b & 7) * kCodeStride;
@@ -277,13 +279,15 @@ struct Q6_KRows16 {
                                      reinterpret_cast<const __m128i*>(h + 32 + 16 * (b & 15))))));
   }
   // 6-bit index: low 4 bits from w, bits 4-5 from hb (higher bits are ignored by vpermt2w)
-  __attribute__((always_inline)) static inline __m512bh lookup(const Table& t, __m512i w, __m512i hb) {
+  __attribute__((always_inline)) static inline __m512bh lookup(const Table& t, __m512i w,
+                                                               __m512i hb) {
     const __m512i idx = _mm512_ternarylogic_epi32(w, hb, t.nibble, 0xE4);  // c ? a : b
     return reinterpret_cast<__m512bh>(_mm512_permutex2var_epi16(t.lo, idx, t.hi));
   }
   // chunk c's two code pair vectors (values 4c, 4c + 1 and 4c + 2, 4c + 3 of the sub-block)
-  __attribute__((always_inline)) static inline void chunk(const uint8_t* codes, int c, const Table& table, __m512bh& lo,
-                           __m512bh& hi) {
+  __attribute__((always_inline)) static inline void chunk(const uint8_t* codes, int c,
+                                                          const Table& table, __m512bh& lo,
+                                                          __m512bh& hi) {
     const __m512i w = _mm512_cvtepu8_epi16(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * c)));
     const __m512i hb = _mm512_cvtepu8_epi16(
