@@ -8,6 +8,7 @@ import json
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -226,3 +227,15 @@ def bench_cluster_config(replicas: int, policy: str, router_python: str, dtype: 
         log_dir=Path(tempfile.mkdtemp(prefix=f"kvserve-cluster-{replicas}-{tag}-")),
         threads_per_replica=cluster.default_threads(replicas),
     )
+
+
+def start_llama_peer(python: str, script: str, args: Sequence[str]) -> PeerProcess:
+    """A llama.cpp peer script (peers/llama_*.py), ready. If it dies by a signal while warming
+    up (llama.cpp's AMX matmul segfaults on some Xeons, see peers/llama_decode.py), once more
+    with ``--no-extra-bufts``, saying so: a slower llama.cpp is still a measurement, a crash is
+    none."""
+    try:
+        return PeerProcess(python, script, args)
+    except PeerCrashed as e:
+        print(f"llama.cpp: {e.summary}; again with --no-extra-bufts", file=sys.stderr)
+        return PeerProcess(python, script, [*args, "--no-extra-bufts"])

@@ -27,12 +27,11 @@ import torch
 
 from benchmarks import plot
 from benchmarks.common import (
-    PeerCrashed,
-    PeerProcess,
     default_peer_python,
     export_hf_dir_model,
     measure_bandwidth,
     resident_weight_bytes,
+    start_llama_peer,
     with_dtype_fallback,
 )
 from kvserve.engine.llm import LLM
@@ -117,16 +116,10 @@ def draw(
 
 
 def start_llama(python: str, gguf, prompt: list[int], new_tokens: int, threads: int):
-    """The llama.cpp peer, ready. If it dies by a signal while warming up (llama.cpp's AMX
-    matmul segfaults on some Xeons, see peers/llama_decode.py), once more without its extra
-    buffer types, saying so: a slower llama.cpp is still a measurement, a crash is none."""
+    """The llama.cpp peer, ready (retried without extra buffer types if it crashes)."""
     args = ["--model", str(gguf), "--prompt-ids", json.dumps(prompt)]
     args += ["--new-tokens", str(new_tokens), "--threads", str(threads)]
-    try:
-        return PeerProcess(python, "llama_decode.py", args)
-    except PeerCrashed as e:
-        print(f"llama.cpp: {e.summary}; again with --no-extra-bufts", file=sys.stderr)
-        return PeerProcess(python, "llama_decode.py", [*args, "--no-extra-bufts"])
+    return start_llama_peer(python, "llama_decode.py", args)
 
 
 def main(argv: list[str] | None = None) -> None:

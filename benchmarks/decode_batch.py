@@ -41,12 +41,11 @@ import torch
 
 from benchmarks import plot
 from benchmarks.common import (
-    PeerCrashed,
-    PeerProcess,
     default_peer_python,
     measure_bandwidth,
     random_prompt,
     resident_weight_bytes,
+    start_llama_peer,
     with_dtype_fallback,
 )
 from kvserve.config import DEFAULT_KV_CACHE_MEMORY, SchedulerConfig
@@ -111,15 +110,10 @@ def make_llm(session: ModelSession, batch: int, prompt_len: int, new_tokens: int
 
 
 def start_llama(python: str, gguf: Path, prompts: list[list[int]], new: int, threads: int):
-    """The llama.cpp peer, ready; once more without its extra buffer types if it dies by a
-    signal while warming up (see peers/llama_batched.py), saying so."""
+    """The llama.cpp peer, ready (retried without extra buffer types if it crashes)."""
     args = ["--model", str(gguf), "--prompt-ids", json.dumps(prompts)]
     args += ["--new-tokens", str(new), "--threads", str(threads)]
-    try:
-        return PeerProcess(python, "llama_batched.py", args)
-    except PeerCrashed as e:
-        print(f"llama.cpp: {e.summary}; again with --no-extra-bufts", file=sys.stderr)
-        return PeerProcess(python, "llama_batched.py", [*args, "--no-extra-bufts"])
+    return start_llama_peer(python, "llama_batched.py", args)
 
 
 def median_row(runs: list[BatchRun], batch: int, new_tokens: int) -> Row:
