@@ -43,7 +43,19 @@ SHAPES = {
     "llama3.1-8b": Shape(4096, 32, 32, 8, 14336, 500000.0, tied=False),
 }
 # llama.cpp's llama_ftype values (include/llama.h)
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* values
+FTYPES = {
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "Q2_K": 10,
+    "Q3_K_M": 12,
+    "Q4_K_M": 15,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+}
 
 QUANTIZE = """
 import ctypes, sys

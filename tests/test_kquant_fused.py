@@ -141,7 +141,7 @@ def test_the_default_bfloat16_path_decodes_a_k_m_file_interleaved(tmp_path: Path
 def test_a_file_that_falls_off_the_fused_step_says_why_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Q3_K is dequantized at load: a layer holding it cannot run in decode_layers, and the
+    """Q2_K is dequantized at load: a layer holding it cannot run in decode_layers, and the
     log says so once, naming the layer and the weight, where the CLI shows it."""
     model = make_hf_model("llama", **SHAPE)
     tensors: dict = dict(gguf_float_tensors(model))
@@ -151,10 +151,10 @@ def test_a_file_that_falls_off_the_fused_step_says_why_once(
             name = f"blk.{i}.{part}.weight"
             n, k = tensors[name].shape
             if i == 1 and part == "ffn_down":
-                tensors[name] = (gguf_random_blocks(n, k, GT.Q3_K, rng), GT.Q3_K)
+                tensors[name] = (gguf_random_blocks(n, k, GT.Q2_K, rng), GT.Q2_K)
             else:
                 tensors[name] = (random_blocks(QT.Q4_K, n, k).numpy(), GT.Q4_K)
-    path = write_gguf(tmp_path / "q3_k_mix.gguf", model.config, tensors)
+    path = write_gguf(tmp_path / "q2_k_mix.gguf", model.config, tensors)
     with caplog.at_level(logging.WARNING, logger="kvserve.engine.fused_decode"):
         llm = LLM(str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
     assert llm.engine.fused_decode is None

@@ -191,8 +191,8 @@ class FusedDecode:
                     continue
                 if not isinstance(m, QuantizedLinear):
                     return (
-                        f"layer {i} {name} is held dense (GGUF Q5_0, Q5_1, Q3_K and Q2_K "
-                        "weights are dequantized at load, as are float ones)"
+                        f"layer {i} {name} is held dense (GGUF Q5_1 and Q2_K weights are "
+                        "dequantized at load, as are float ones)"
                     )
                 if m.bias is not None:
                     return f"layer {i} {name} has a bias"

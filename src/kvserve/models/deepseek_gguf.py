@@ -18,7 +18,7 @@ and no rotary permutation (DeepSeek's rope pairs are interleaved on both sides).
 taken equal to it (true of DeepSeek-V2, V2-Lite and V3: the cos/sin factor is then 1).
 
 The stacked experts, the kv_b halves and the router are dequantized (they are not plain
-linears here); every other 2-D weight in a KEEP_QUANTIZED format stays quantized.
+linears here); every other 2-D weight in a HELD_QUANTIZED format stays quantized.
 """
 
 from __future__ import annotations
@@ -143,7 +143,8 @@ def iter_deepseek_gguf_tensors(
 ) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor) pairs; ``quantized_type(data, qtype, shape)`` wraps a block-format
     weight (gguf_checkpoint.QuantizedTensor), ``dequantize(name, data, qtype)`` the rest."""
-    from kvserve.models.gguf_checkpoint import KEEP_QUANTIZED
+    from kvserve.models.gguf_checkpoint import HELD_QUANTIZED
+    from kvserve.models.gguf_transcode import TRANSCODED, transcode
 
     halves: dict[tuple[int, str], np.ndarray] = {}
     for t in reader.tensors:
@@ -153,12 +154,15 @@ def iter_deepseek_gguf_tensors(
         local = m.group(2) if m else t.name
         if (
             keep_quantized
-            and qtype in KEEP_QUANTIZED
+            and qtype in HELD_QUANTIZED
             and len(shape) == 2
             and local not in _ALWAYS_FLOAT
         ):
-            data = torch.from_numpy(np.array(t.data, dtype=np.uint8, order="C", copy=True))
-            yield _hf_name(t.name), quantized_type(data, int(qtype), (shape[0], shape[1]))
+            rows, held = np.asarray(t.data), int(qtype)
+            if qtype in TRANSCODED:
+                rows, held = transcode(rows, qtype)
+            data = torch.from_numpy(np.array(rows, dtype=np.uint8, order="C", copy=True))
+            yield _hf_name(t.name), quantized_type(data, held, (shape[0], shape[1]))
             continue
         w = dequantize(t.name, t.data, qtype).reshape(shape)
         if m and local in _EXPERTS:  # (experts, out, in) -> one weight per expert

@@ -3,13 +3,15 @@
 Tensors are renamed from llama.cpp names (``blk.3.attn_q.weight``) to Hugging Face names
 (``model.layers.3.self_attn.q_proj.weight``) and dequantized to float32 with
 ``gguf.quants.dequantize`` -- except 2-D weights in a format kvserve multiplies in place
-(``KEEP_QUANTIZED``), which stay in their block format as a ``QuantizedTensor``. llama.cpp's converter permutes the rows of the Llama query and key
-projections for its interleaved rotary layout; we undo that so the weights match HF's
-rotate-half layout.
+(``KEEP_QUANTIZED``), which stay in their block format as a ``QuantizedTensor``, and Q3_K /
+Q5_0 ones, held losslessly as Q6_K / Q8_0 (``gguf_transcode.py``). llama.cpp's converter
+permutes the rows of the Llama query and key projections for its interleaved rotary layout; we
+undo that so the weights match HF's rotate-half layout.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import struct
 from collections.abc import Iterator
@@ -24,6 +26,9 @@ from gguf.quants import dequantize
 
 from kvserve.models.config import ModelConfig
 from kvserve.models.gguf_header import GgufHeader, GgufTensor, UnsupportedHeader, read_gguf_header
+from kvserve.models.gguf_transcode import TRANSCODED, transcode
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_GGML_TYPES = (
     GGMLQuantizationType.F32,
@@ -50,6 +55,8 @@ KEEP_QUANTIZED = (
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
 )
+# Formats held in a KEEP_QUANTIZED one they are a subset of, losslessly (gguf_transcode.py).
+HELD_QUANTIZED = KEEP_QUANTIZED + tuple(TRANSCODED)
 
 
 @dataclass(slots=True)
@@ -181,14 +188,18 @@ def iter_gguf_tensors(
         )
         return
     unpermute = arch == "llama"
+    transcoded: dict[str, str] = {}
     for t in reader.tensors:
         qtype = GGMLQuantizationType(t.tensor_type)
         # GGUF lists dims innermost first: (rows, cols) = reversed
         shape = [int(d) for d in reversed(t.shape)]
         hf_name = ROPE_FREQS if t.name == ROPE_FREQS else gguf_to_hf_name(t.name)
-        quantized = keep_quantized and qtype in KEEP_QUANTIZED and len(shape) == 2
+        quantized = keep_quantized and qtype in HELD_QUANTIZED and len(shape) == 2
         if quantized:
             w = np.asarray(t.data)  # (rows, bytes per row) uint8: row permutes stay valid
+            if qtype in TRANSCODED:
+                w, qtype = transcode(w, qtype)
+                transcoded[t.name] = GGMLQuantizationType(qtype).name
         else:
             w = dequantize_tensor(t.name, t.data, qtype).reshape(shape)
         if t.name == ROPE_FREQS:
@@ -204,6 +215,14 @@ def iter_gguf_tensors(
             yield hf_name, QuantizedTensor(data, int(qtype), (shape[0], shape[1]))
         else:
             yield hf_name, torch.from_numpy(np.array(w, dtype=np.float32, order="C", copy=True))
+    if transcoded:
+        held = sorted(set(transcoded.values()))
+        log.info(
+            "%d weights in Q3_K / Q5_0 are held as %s (lossless: the same values, more bytes; "
+            "those formats have no kernel of their own)",
+            len(transcoded),
+            " / ".join(held),
+        )
 
 
 def find_gguf_file(path: Path) -> Path | None:
