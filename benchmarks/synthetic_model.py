@@ -42,8 +42,7 @@ SHAPES = {
     "llama3.2-3b": Shape(3072, 28, 24, 8, 8192, 500000.0, tied=True),
     "llama3.1-8b": Shape(4096, 32, 32, 8, 14336, 500000.0, tied=False),
 }
-# llama.cpp's llama_ftype values (include/llama.h)
-# llama.cpp's LLAMA_FTYPE_MOSTLY_* values
+# llama.cpp's LLAMA_FTYPE_MOSTLY_* values (include/llama.h)
 FTYPES = {
     "Q4_0": 2,
     "Q4_1": 3,
