@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import gguf_float_tensors, make_hf_model, random_token_ids, write_gguf
+from conftest import random_token_ids
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GT
 from gguf.quants import dequantize
 from test_fused_decode import pin_kernel_rows
 from test_gguf_quants import random_blocks
-from test_kquant_fused import LINEARS, SHAPE
+from test_kquant_fused import mixed_gguf
 from test_quant_kernels import kernels  # noqa: F401 - the fixture
 
 from kvserve.engine.llm import LLM
@@ -85,20 +85,13 @@ def test_bad_input_names_what_was_wrong() -> None:
 def _q3_k_m_gguf(tmp_path: Path) -> Path:
     """Q3_K linears; layer 0's attn_v and ffn_down Q5_K (as llama.cpp's Q3_K_M does), layer
     1's ffn_up Q5_0."""
-    model = make_hf_model("llama", **SHAPE)
-    tensors: dict = dict(gguf_float_tensors(model))
-    rng = np.random.default_rng(5)
-    for i in range(SHAPE["num_hidden_layers"]):
-        for part in LINEARS:
-            name = f"blk.{i}.{part}.weight"
-            n, k = tensors[name].shape
-            qt = GT.Q3_K
-            if i == 0 and part in ("attn_v", "ffn_down"):
-                qt = GT.Q5_K
-            elif i == 1 and part == "ffn_up":
-                qt = GT.Q5_0
-            tensors[name] = (random_blocks(n, k, qt, rng), qt)
-    return write_gguf(tmp_path / "q3_k_m.gguf", model.config, tensors)
+
+    def pick(i: int, part: str) -> GT:
+        if i == 0 and part in ("attn_v", "ffn_down"):
+            return GT.Q5_K
+        return GT.Q5_0 if i == 1 and part == "ffn_up" else GT.Q3_K
+
+    return mixed_gguf(tmp_path / "q3_k_m.gguf", pick, seed=5)
 
 
 @pytest.mark.usefixtures("kernels")

@@ -7,6 +7,7 @@ K-quants interleaved) and give the same bits whole or chunked."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -138,23 +139,30 @@ def test_the_default_bfloat16_path_decodes_a_k_m_file_interleaved(tmp_path: Path
     assert got.token_ids == want.token_ids
 
 
+def mixed_gguf(path: Path, pick: Callable[[int, str], GT], seed: int = 0) -> Path:
+    """A GGUF of SHAPE with each linear of layer i in ``pick(i, part)``'s format (random
+    blocks, gguf-py's valid float16 scales)."""
+    model = make_hf_model("llama", **SHAPE)
+    tensors: dict = dict(gguf_float_tensors(model))
+    rng = np.random.default_rng(seed)
+    for i in range(SHAPE["num_hidden_layers"]):
+        for part in LINEARS:
+            name = f"blk.{i}.{part}.weight"
+            n, k = tensors[name].shape
+            qt = pick(i, part)
+            tensors[name] = (gguf_random_blocks(n, k, qt, rng), qt)
+    return write_gguf(path, model.config, tensors)
+
+
 def test_a_file_that_falls_off_the_fused_step_says_why_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Q2_K is dequantized at load: a layer holding it cannot run in decode_layers, and the
     log says so once, naming the layer and the weight, where the CLI shows it."""
-    model = make_hf_model("llama", **SHAPE)
-    tensors: dict = dict(gguf_float_tensors(model))
-    rng = np.random.default_rng(0)
-    for i in range(SHAPE["num_hidden_layers"]):
-        for part in LINEARS:
-            name = f"blk.{i}.{part}.weight"
-            n, k = tensors[name].shape
-            if i == 1 and part == "ffn_down":
-                tensors[name] = (gguf_random_blocks(n, k, GT.Q2_K, rng), GT.Q2_K)
-            else:
-                tensors[name] = (random_blocks(QT.Q4_K, n, k).numpy(), GT.Q4_K)
-    path = write_gguf(tmp_path / "q2_k_mix.gguf", model.config, tensors)
+    path = mixed_gguf(
+        tmp_path / "q2_k_mix.gguf",
+        lambda i, part: GT.Q2_K if i == 1 and part == "ffn_down" else GT.Q4_K,
+    )
     with caplog.at_level(logging.WARNING, logger="kvserve.engine.fused_decode"):
         llm = LLM(str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
     assert llm.engine.fused_decode is None
