@@ -9,18 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from conftest import random_token_ids
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GT
 from gguf.quants import dequantize
 from test_fused_decode import pin_kernel_rows
 from test_gguf_quants import random_blocks
-from test_kquant_fused import mixed_gguf
+from test_kquant_fused import interleaves_by_default, mixed_gguf
 from test_quant_kernels import kernels  # noqa: F401 - the fixture
 
 from kvserve.engine.llm import LLM
-from kvserve.kernels.build import load_kernels
 from kvserve.models.gguf_transcode import TRANSCODED, transcode
 from kvserve.models.model_session import ModelSession
 from kvserve.models.quantized_linear import QuantizedLinear
@@ -116,14 +114,7 @@ def test_a_q3_k_m_file_decodes_fused_with_the_reference_tokens(
     assert got == want
 
 
-@pytest.mark.skipif(
-    not (
-        load_kernels()
-        and torch.ops.kvserve.cpu_has_avx512_bf16()
-        and not torch.ops.kvserve.cpu_has_amx_bf16()
-    ),
-    reason="the default path interleaves on AVX-512-BF16 CPUs without AMX",
-)
+@interleaves_by_default
 def test_the_default_bfloat16_path_interleaves_a_q3_k_m_file(tmp_path: Path) -> None:
     """Every weight interleaved, the fused step on; the numbers checked against float32 by
     teacher forcing (bfloat16 may break a near-tie of random weights the other way, so the

@@ -39,6 +39,16 @@ SHAPE = {
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+# the default bfloat16 path interleaves quantized weights at load on these CPUs only
+interleaves_by_default = pytest.mark.skipif(
+    not (
+        load_kernels()
+        and torch.ops.kvserve.cpu_has_avx512_bf16()
+        and not torch.ops.kvserve.cpu_has_amx_bf16()
+    ),
+    reason="the default path interleaves on AVX-512-BF16 CPUs without AMX",
+)
+
 BASES = [QT.Q4_K, QT.Q5_K]  # the _M mixes' main type: Q4_K_M, Q5_K_M
 
 
@@ -110,14 +120,7 @@ def test_batch_invariant_mode_takes_a_k_m_file(tmp_path: Path, base: QT) -> None
     assert run(7) == whole
 
 
-@pytest.mark.skipif(
-    not (
-        load_kernels()
-        and torch.ops.kvserve.cpu_has_avx512_bf16()
-        and not torch.ops.kvserve.cpu_has_amx_bf16()
-    ),
-    reason="the default path interleaves on AVX-512-BF16 CPUs without AMX",
-)
+@interleaves_by_default
 @pytest.mark.parametrize("base", BASES, ids=lambda t: t.name)
 def test_the_default_bfloat16_path_decodes_a_k_m_file_interleaved(tmp_path: Path, base: QT) -> None:
     """bfloat16 at defaults: every K-quant weight interleaved at load, decode through the
