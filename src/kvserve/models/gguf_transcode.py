@@ -27,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 
-QK_K = 256
 Q3_K_BYTES = 110  # hmask[32], qs[64], scales[12], d (float16)
 Q6_K_BYTES = 210  # ql[128], qh[64], scales[16] (int8), d (float16)
 Q5_0_BYTES = 22  # d (float16), qh (uint32), qs[16]
@@ -49,7 +48,8 @@ def transcode(data: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray
         return _blocks(data, Q3_K_BYTES, q3_k_to_q6_k), int(GGMLQuantizationType.Q6_K)
     if qtype == GGMLQuantizationType.Q5_0:
         return _blocks(data, Q5_0_BYTES, q5_0_to_q8_0), int(GGMLQuantizationType.Q8_0)
-    raise ValueError(f"no lossless transcoding for {qtype.name}; have {sorted(TRANSCODED)}")
+    have = ", ".join(t.name for t in TRANSCODED)
+    raise ValueError(f"no lossless transcoding for {qtype.name}; have {have}")
 
 
 def _blocks(data: np.ndarray, block_bytes: int, fn) -> np.ndarray:
@@ -100,4 +100,6 @@ def q5_0_to_q8_0(blocks: np.ndarray) -> np.ndarray:
     high = np.ascontiguousarray(qh).view("<u4").reshape(n, 1) >> np.arange(32, dtype=np.uint32)
     low = qs.reshape(n, 1, 16) >> np.array([0, 4], np.uint8)[None, :, None]
     q = ((low.reshape(n, 32) & 0x0F) | ((high & 1).astype(np.uint8) << 4)).astype(np.int16)
-    return np.concatenate([d, (q - 16).astype(np.int8).view(np.uint8)], axis=1)
+    out = np.concatenate([d, (q - 16).astype(np.int8).view(np.uint8)], axis=1)
+    assert out.shape == (n, Q8_0_BYTES)
+    return out
