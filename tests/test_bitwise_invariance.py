@@ -19,13 +19,19 @@ import torch
 from kvserve.default_model import default_model_path
 from kvserve.engine.llm import LLM
 from kvserve.kernels.build import load_kernels
+from kvserve.platform import detect_cpu_features
 from kvserve.sampling import SamplingParams
 
 MAX_TOKENS = 6
 
 
 def _invariant_default_path() -> bool:
-    return load_kernels() and bool(torch.ops.kvserve.cpu_has_avx512_bf16())
+    # the capped features too (KVSERVE_CPU_FEATURES): policies take native bf16 from them
+    return (
+        load_kernels()
+        and bool(torch.ops.kvserve.cpu_has_avx512_bf16())
+        and detect_cpu_features().native_bf16
+    )
 
 
 needs_invariant_path = pytest.mark.skipif(

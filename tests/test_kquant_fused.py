@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import gguf_float_tensors, make_hf_model, random_token_ids, write_gguf
 from gguf import GGMLQuantizationType as GT
+from test_bitwise_invariance import needs_invariant_path
 from test_fused_decode import pin_kernel_rows
 from test_gguf_quants import random_blocks as gguf_random_blocks
 from test_quant_kernels import kernels, random_blocks  # noqa: F401 - kernels: the fixture
@@ -24,6 +25,8 @@ from kvserve.kernels.build import load_kernels
 from kvserve.kernels.quant_ref import QT
 from kvserve.models.model_session import ModelSession
 from kvserve.models.quantized_linear import QuantizedLinear
+from kvserve.models.weight_formats import _interleaves
+from kvserve.platform import detect_cpu_features
 from kvserve.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("kernels")
@@ -39,13 +42,10 @@ SHAPE = {
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-# the default bfloat16 path interleaves quantized weights at load on these CPUs only
+# the default bfloat16 path interleaves quantized weights at load on these CPUs only (the
+# loader's own rule, so a KVSERVE_CPU_FEATURES cap skips these tests too)
 interleaves_by_default = pytest.mark.skipif(
-    not (
-        load_kernels()
-        and torch.ops.kvserve.cpu_has_avx512_bf16()
-        and not torch.ops.kvserve.cpu_has_amx_bf16()
-    ),
+    not (load_kernels() and _interleaves(detect_cpu_features(), torch.bfloat16)),
     reason="the default path interleaves on AVX-512-BF16 CPUs without AMX",
 )
 
@@ -95,10 +95,7 @@ def test_a_k_m_file_decodes_fused_with_the_reference_tokens(
     assert got == want
 
 
-@pytest.mark.skipif(
-    not (load_kernels() and torch.ops.kvserve.cpu_has_avx512_bf16()),
-    reason="batch-invariant mode needs AVX-512-BF16",
-)
+@needs_invariant_path
 @pytest.mark.parametrize("base", BASES, ids=lambda t: t.name)
 def test_batch_invariant_mode_takes_a_k_m_file(tmp_path: Path, base: QT) -> None:
     path = _k_m_gguf(tmp_path, base)
