@@ -97,9 +97,10 @@ void block_sums(const uint16_t* x, int64_t M, int64_t K, float* xs) {
 
 // Register tiles: 8 rows x 2 groups x 1 block of chains (16 of the 32 registers, the rest
 // free for the expanded codes and the fold) in the bulk; fewer rows run more blocks side by
-// side. (Measured on Zen 5, one thread, 2016 rows, against the earlier 6 x 2 x 2: Q4_0 / Q4_1
-// 0-8%, Q8_0 14-16%, Q5_K 8-10%, Q6_K ~5% faster, Q4_K the same; 12 x 2 x 1, 4 x 3 x 2 and
-// 6 x 3 x 1 no better. The chains are the same whatever the tile: bits never change.)
+// side. (Rows x groups x blocks, measured on Zen 5, one thread, 2016 rows, against the earlier
+// 6 x 2 x 2: Q4_0 / Q4_1 0-8%, Q8_0 14-16%, Q5_K 8-10%, Q6_K ~5% faster, Q4_K the same;
+// 4 x 2 x 3, 6 x 3 x 1 and 3 x 4 x 2 no better than 8 x 2 x 1; 12 x 2 x 1 was 5-15% slower
+// than 6 x 2 x 2. The chains are the same whatever the tile: the bits never change.)
 constexpr int kMaxMR = 8;
 
 template <typename Fmt, int NG>
