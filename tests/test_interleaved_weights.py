@@ -112,7 +112,9 @@ def test_kernel_matches_its_twin(qtype: int, n: int, k: int) -> None:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_kernel_gives_a_row_the_same_bits_at_any_row_count(qtype: int) -> None:
     """The issue's row counts, a tail group (70 rows: 4 groups + 6) and K of 48 blocks (the
-    chains' remainder block when blocks run 2 and 4 side by side)."""
+    chains' remainder block when blocks run 2 and 4 side by side). Every register-tile height
+    runs: 8 in the bulk, 7 (7 rows), 2, 4, 5, 6 (10, 12, 13, 14 rows: one tile of 8 first),
+    3 and 1, each of the first 16 rows checked."""
     n, k = 70, 1536
     rows = interleave(_weight(qtype, n, k, seed=qtype), qtype, n, k)
     x = torch.randn(2049, k).to(torch.bfloat16)
@@ -120,9 +122,9 @@ def test_kernel_gives_a_row_the_same_bits_at_any_row_count(qtype: int) -> None:
     def mm(a: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvserve.interleaved_matmul_bf16(a.contiguous(), rows, qtype, n)
 
-    picks = range(0, 2049, 97)
+    picks = sorted(set(range(16)) | set(range(0, 2049, 97)))
     alone = torch.cat([mm(x[i : i + 1]) for i in picks])
-    for m in (1, 3, 17, 64, 129, 512, 2049):
+    for m in (1, 3, 7, 10, 12, 13, 14, 17, 64, 129, 512, 2049):
         got = mm(x[:m])
         for j, i in enumerate(picks):
             if i < m:
