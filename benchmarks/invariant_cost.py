@@ -16,26 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
+from benchmarks.latency import one_request
 from kvserve.engine.llm import LLM
-from kvserve.sampling import SamplingParams
-
-
-def one_request(llm: LLM, prompt: list[int], new_tokens: int) -> tuple[float, float]:
-    """(TTFT, median decode step) of one request run alone, greedy."""
-    engine = llm.engine
-    engine.add_request(
-        prompt, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    )
-    steps = []
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t)
-    return steps[0], statistics.median(steps[1:]) if len(steps) > 1 else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,9 +62,9 @@ def main(argv: list[str] | None = None) -> None:
             prompt = [(1000 + 7919 * run + 13 * n + i) % vocab for i in range(n)]
             order = list(sides) if run % 2 == 0 else list(reversed(sides))
             for name in order:
-                first, step = one_request(sides[name], prompt, args.new_tokens)
+                first, steps = one_request(sides[name], prompt, args.new_tokens)
                 ttft[name].append(first)
-                tpot[name].append(step)
+                tpot[name].append(statistics.median(steps))
         best = {k: min(v) * 1e3 for k, v in ttft.items()}
         med = {k: statistics.median(v) * 1e3 for k, v in ttft.items()}
         step = {k: statistics.median(v) * 1e3 for k, v in tpot.items()}
