@@ -6,7 +6,7 @@ it; per prompt length the best and the median of ``--runs`` requests and the mod
 ratios (issue 34's budget: TTFT within 10%, decode within 5%).
 
     python -m benchmarks.invariant_cost [--model M] [--prompt-lens 128,512,1024,2000] \\
-        [--new-tokens 16] [--runs 7] [--threads 2]
+        [--new-tokens 16] [--runs 7] [--threads 2] [--plot FILE.png]
 
 A shared host moves both sides alike within a pair of requests but not across minutes, so only
 the ratios of one run mean much; run it twice before believing a few percent.
@@ -19,6 +19,7 @@ import statistics
 
 import torch
 
+from benchmarks import plot
 from benchmarks.latency import one_request
 from kvserve.engine.llm import LLM
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    plot.add_plot_arg(ap)
     args = ap.parse_args(argv)
     lens = [int(n) for n in args.prompt_lens.split(",")]
     if min(lens) < 1 or args.new_tokens < 2 or args.runs < 1:
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'TPOT default':>12} {'invariant':>9} {'ratio':>6}"
     )
     print(f"{'':>6} | {'best / median ms':>17} | {'best / median ms':>17} | {'best / med':>11} |")
+    ratios: dict[str, list[float]] = {"TTFT": [], "decode step": []}
     for n in lens:
         ttft = {name: [] for name in sides}
         tpot = {name: [] for name in sides}
@@ -75,6 +78,19 @@ def main(argv: list[str] | None = None) -> None:
             f"{step['default']:12.2f} {step['invariant']:9.2f} "
             f"{step['invariant'] / step['default']:6.3f}",
             flush=True,
+        )
+        ratios["TTFT"].append(med["invariant"] / med["default"])
+        ratios["decode step"].append(step["invariant"] / step["default"])
+    if args.plot:
+        plot.grouped_bars(
+            args.plot,
+            f"batch-invariant mode / default path, threads {args.threads}, {args.runs} runs",
+            [f"{n} tokens" for n in lens],
+            ratios,
+            "median time, mode / default (lower is faster)",
+            {k: [f"{v:.2f}" for v in vals] for k, vals in ratios.items()},
+            xlabel="prompt length",
+            refs=[(1.10, "TTFT budget 1.10"), (1.05, "decode budget 1.05")],
         )
 
 

@@ -36,6 +36,7 @@ SCRIPTS = [
     "cluster_failover",
     "kv_dtype_attention",
     "kv_dtype_offline",
+    "invariant_cost",
 ]
 
 
