@@ -99,13 +99,16 @@ def test_kernel_matches_its_twin(qtype: int, n: int, k: int) -> None:
     q = _weight(qtype, n, k, seed=n + k)
     rows = interleave(q, qtype, n, k)
     x = torch.randn(13, k)
-    got = torch.ops.kvserve.interleaved_matmul_bf16(x.to(torch.bfloat16), rows, qtype, n)
     want = interleaved_matmul_ref(x, rows, qtype, n)
     # float32 sums of k products: within a few ulps of the largest partial sum
     tol = 1e-5 * (
         x.to(torch.bfloat16).double().abs() @ dequantize_ref(q, qtype, n, k).double().abs().T
     )
-    assert ((got.double() - want).abs() <= tol + 1e-30).all()
+    # every register-tile height alone (1..8 rows; 1 and 2 run 4 blocks side by side, so the
+    # 18 blocks of a 32-value format at K=576 leave the remainder loop 2), then 13 = 8 + 5
+    for m in (*range(1, 9), 13):
+        got = torch.ops.kvserve.interleaved_matmul_bf16(x[:m].to(torch.bfloat16), rows, qtype, n)
+        assert ((got.double() - want[:m]).abs() <= tol[:m] + 1e-30).all(), m
 
 
 @needs_kernel
