@@ -134,6 +134,19 @@ def test_chunked_prefill_gives_the_same_bits(prompt: list[int], alone: tuple, ch
 
 
 @needs_invariant_path
+def test_a_prompt_over_several_slabs_gives_the_same_bits_in_chunks(prose_ids: list[int]) -> None:
+    """decode_layers runs its per-row ops 256 rows at a time: a 600-token step (slabs of 256,
+    256, 88) gives the same numbers as chunks of 64 (one slab each)."""
+    long_prompt = prose_ids[:600]
+    numbers = []
+    for chunk in (2048, 64):
+        llm = _llm(enable_prefix_caching=False, num_kv_blocks=64, max_num_batched_tokens=chunk)
+        (out,) = llm.generate([long_prompt], _params(), use_tqdm=False)
+        numbers.append(_numbers(out))
+    assert numbers[0] == numbers[1]
+
+
+@needs_invariant_path
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_batched_with_others_gives_the_same_bits(
     prompt: list[int], prose_ids: list[int], alone: tuple, seed: int
