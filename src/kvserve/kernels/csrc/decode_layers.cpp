@@ -297,11 +297,12 @@ at::Tensor decode_layers_cpu(const at::Tensor& x_in, const at::Tensor& cos, cons
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
   // per-step buffers, reused by every layer
-  // Every op but attention is per row (the matmul kernels give a row the same bits at any row
-  // count), so the layers run a slab of rows at a time, with the bits of all B rows at once:
-  // a slab's float32 intermediates (gate_up: kSlabRows x 2I) stay in cache instead of
-  // streaming ~50 MB a layer through DRAM at a 2000-token prefill. Attention runs over all
-  // B rows once every slab's K/V are in the cache.
+  // Every op but attention is per row, so the layers run a slab of rows at a time: a slab's
+  // float32 intermediates (gate_up: kSlabRows x 2I) stay in cache instead of streaming ~50 MB
+  // a layer through DRAM at a 2000-token prefill. Attention runs over all B rows once every
+  // slab's K/V are in the cache. With one-order weights (flags 3, 4: batch-invariant mode, the
+  // default path's interleaved decodes) a row's bits are those of all B rows at once; the
+  // other kernels pick their tiles by row count, as they did for B rows.
   const int64_t slab = std::min(B, kSlabRows);
   std::vector<float> h(slab * hidden), qkv(slab * qkv_n), q(B * H * D), attn(B * H * D),
       proj(slab * hidden), gu(slab * 2 * I), act(slab * I);
